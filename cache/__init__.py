@@ -1,0 +1,1 @@
+"""KV-cache block manager: block pool, free queue, prefix cache, profiling."""

@@ -1,0 +1,1 @@
+"""pagedserve's engine: model loading, paged model runner, sampler and the engines."""

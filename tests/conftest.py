@@ -1,0 +1,40 @@
+"""Shared fixtures: tiny models of two architectures, and the real default model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.tiny_models import build_model
+
+TINY_ARCHITECTURES = ("llama", "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Folders holding a tiny random-weight model per architecture, built once a session."""
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: build_model(root / arch, arch) for arch in TINY_ARCHITECTURES}
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHITECTURES)
+def tiny_model_path(request: pytest.FixtureRequest, tiny_model_paths: dict[str, Path]) -> Path:
+    return tiny_model_paths[request.param]
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """The real default model (SmolLM2-135M-Instruct), fp32 on the CPU, loaded once."""
+    import torch
+
+    from engine.model_loader import load_model
+
+    return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Tests must never reach a model hub; everything they load is local.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
