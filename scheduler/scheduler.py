@@ -1,0 +1,247 @@
+"""Continuous batching: each engine step, pick which sequences run and how many tokens each gets."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from cache.block_manager import AllocStatus, BlockManager
+from scheduler.scheduler_output import ScheduledSequence, SchedulerOutput
+from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+
+
+class Scheduler:
+    """FCFS scheduler with chunked prefill and preemption by recompute.
+
+    Invariants:
+    - Every unfinished sequence is in exactly one of `_waiting` (arrival order, preempted
+      ones in front) and `_running` (admission order); only running ones hold blocks.
+    - `len(_running) <= max_num_seqs`.
+    - A step's batch never exceeds `max_num_batched_tokens` tokens or `max_num_seqs`
+      sequences, and a sequence preempted in a step is not scheduled in that step.
+
+    Call order per step: `schedule()`, run the model on its output, `update()` with the
+    sampled tokens, then `finish()` the sequences that stopped. `add()` and `abort()` belong
+    between steps: a sequence freed while its step is in flight would leave cached block
+    hashes whose K/V was never written.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self._waiting: deque[Sequence] = deque()
+        # A dict keeps admission order and gives O(1) removal on finish and abort.
+        self._running: dict[str, Sequence] = {}
+        self._unfinished: dict[str, Sequence] = {}
+        self._requests: dict[str, list[Sequence]] = {}
+        self._num_preemptions = 0
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_preemptions(self) -> int:
+        """Total preemptions since start (a sequence preempted twice counts twice)."""
+        return self._num_preemptions
+
+    def has_unfinished(self) -> bool:
+        return bool(self._unfinished)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence behind everything that arrived before it."""
+        if seq.seq_id in self._unfinished:
+            raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
+        if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
+            raise ValueError(f"sequence {seq.seq_id!r} is not a fresh waiting sequence")
+        if not seq.prompt_token_ids:
+            raise ValueError(f"sequence {seq.seq_id!r} has an empty prompt")
+        self._waiting.append(seq)
+        self._unfinished[seq.seq_id] = seq
+        self._requests.setdefault(seq.request_id, []).append(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        """Decide this step's batch: running sequences first, then waiting ones (FCFS)."""
+        output = SchedulerOutput()
+        token_budget = self._schedule_running(output)
+        # After a preemption the blocks left belong to the running sequences' growth: admitting
+        # now would run the victim in the step it was preempted from, or hand them to a
+        # newcomer that the next step would preempt again.
+        if not output.preempted:
+            self._admit_waiting(output, token_budget)
+        return output
+
+    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
+        """Apply a finished model step: advance computed counts and append each sampled
+        token (`sampled` maps seq_id to token). Returns the sequences that got a token, in
+        batch order; the engine checks their stop conditions and calls `finish()`."""
+        now = time.monotonic()
+        got_token = []
+        for scheduled in output.scheduled:
+            seq = scheduled.seq
+            if seq.num_computed_tokens != scheduled.num_computed_tokens:
+                raise RuntimeError(f"{seq.seq_id!r} changed since schedule(): update() twice?")
+            seq.num_computed_tokens += scheduled.num_new_tokens
+            if scheduled.samples:
+                seq.output_token_ids.append(sampled[seq.seq_id])
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                got_token.append(seq)
+        return got_token
+
+    def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
+        """Finish `seq` in any state and free its blocks at once."""
+        if self._unfinished.get(seq.seq_id) is not seq:
+            raise ValueError(f"sequence {seq.seq_id!r} is not an unfinished sequence here")
+        if seq.status is SequenceStatus.RUNNING:
+            del self._running[seq.seq_id]
+            self.block_manager.free(seq.seq_id)
+        else:
+            self._waiting.remove(seq)
+        del self._unfinished[seq.seq_id]
+        siblings = self._requests[seq.request_id]
+        siblings.remove(seq)
+        if not siblings:
+            del self._requests[seq.request_id]
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.error = error
+        seq.finished_time = time.monotonic()
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every unfinished sequence of the request with reason "abort" and return
+        them; an unknown or already finished request returns []."""
+        aborted = list(self._requests.get(request_id, ()))
+        for seq in aborted:
+            self.finish(seq, "abort")
+        return aborted
+
+    def _schedule_running(self, output: SchedulerOutput) -> int:
+        """Give running sequences their tokens in admission order; return the budget left.
+
+        Preemption victims are taken from the back of `_running`, i.e. never a sequence
+        this loop already scheduled, so the batch stays valid.
+        """
+        token_budget = self.max_num_batched_tokens
+        for seq in list(self._running.values()):
+            if token_budget == 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop to make room for an older one
+            num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_new_tokens, output):
+                break  # seq preempted itself, so every newer one is gone too
+            self._add_to_batch(seq, num_new_tokens, output)
+            token_budget -= num_new_tokens
+        return token_budget
+
+    def _grow_or_preempt(self, seq: Sequence, num_slots: int, output: SchedulerOutput) -> bool:
+        """Make `seq`'s block table hold `num_slots` tokens, preempting the most recently
+        admitted sequences until it fits; False if `seq` itself had to be preempted."""
+        while not self.block_manager.grow(seq.seq_id, num_slots):
+            victim = next(reversed(self._running.values()))
+            self._preempt(victim)
+            output.preempted.append(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        # Recompute rather than swap: free everything, keep the output, and go back to the
+        # front of the queue so the sequence is the next admitted. Preempting newest first
+        # and pushing each to the front keeps the preempted ones in admission order.
+        del self._running[seq.seq_id]
+        self.block_manager.free(seq.seq_id)
+        seq.status = SequenceStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self._num_preemptions += 1
+        self._waiting.appendleft(seq)
+
+    def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
+        """Admit waiting sequences in FCFS order while both budgets and the cache allow.
+
+        A head that must wait (LATER, or its whole prompt does not fit this step without
+        chunked prefill) stops admission, so later arrivals cannot overtake it forever; a
+        head that can never run is rejected so it cannot block the queue.
+        """
+        manager = self.block_manager
+        while self._waiting and token_budget > 0 and len(self._running) < self.max_num_seqs:
+            seq = self._waiting[0]
+            if not self.enable_chunked_prefill:
+                if seq.num_tokens > self.max_num_batched_tokens:
+                    self._reject(seq, self._too_long_for_batch(seq), output)
+                    continue
+                # The whole rest must fit. Prefix hits are only known after allocate() (which
+                # cannot be undone cleanly), so count the sequence in full.
+                if seq.num_tokens > token_budget:
+                    break
+            token_ids = seq.token_ids
+            status = manager.can_allocate(token_ids)
+            if status is AllocStatus.NEVER:
+                self._reject(seq, self._too_big_for_cache(seq), output)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            self._waiting.popleft()
+            num_cached_tokens = manager.allocate(seq.seq_id, token_ids)
+            seq.status = SequenceStatus.RUNNING
+            seq.num_computed_tokens = num_cached_tokens
+            seq.num_cached_tokens = num_cached_tokens
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self._running[seq.seq_id] = seq
+            num_new_tokens = min(seq.num_tokens - num_cached_tokens, token_budget)
+            self._add_to_batch(seq, num_new_tokens, output)
+            token_budget -= num_new_tokens
+
+    def _reject(self, seq: Sequence, error: str, output: SchedulerOutput) -> None:
+        self.finish(seq, "error", error)
+        output.rejected.append(seq)
+
+    def _too_long_for_batch(self, seq: Sequence) -> str:
+        return (
+            f"sequence of {seq.num_tokens} tokens exceeds max_num_batched_tokens="
+            f"{self.max_num_batched_tokens} and chunked prefill is disabled; set "
+            "enable_chunked_prefill or raise max_num_batched_tokens"
+        )
+
+    def _too_big_for_cache(self, seq: Sequence) -> str:
+        manager = self.block_manager
+        return (
+            f"sequence of {seq.num_tokens} tokens needs "
+            f"{math.ceil(seq.num_tokens / manager.block_size)} KV-cache blocks but only "
+            f"{manager.num_blocks} blocks of {manager.block_size} tokens exist (less a "
+            "watermark reserve); raise kv_cache_memory or memory_utilization, or lower "
+            "max_model_len"
+        )
+
+    def _add_to_batch(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
+        start = seq.num_computed_tokens
+        end = start + num_new_tokens
+        output.scheduled.append(
+            ScheduledSequence(seq, num_new_tokens, start, samples=end == seq.num_tokens)
+        )
+        # Register blocks this chunk fills now, not after the step, so a sibling (n > 1) or a
+        # same-prefix request admitted later in this step already hits them: their K/V is
+        # written by this step's forward before attention reads it, layer by layer.
+        # Blocks filled earlier are registered already, so only a crossed boundary needs it.
+        block_size = self.block_manager.block_size
+        if end // block_size > start // block_size:
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end)
