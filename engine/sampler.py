@@ -1,0 +1,279 @@
+"""Batched next-token sampling over one engine step.
+
+Each row of the logits is processed in vLLM's order: min_tokens masking, repetition /
+frequency / presence penalties, then (for non-greedy rows) temperature, top-k, top-p,
+min-p and a draw. Greedy rows (temperature below `GREEDY_TEMPERATURE`) take the argmax of
+the penalised logits; truncation never changes an argmax, so it is skipped for them.
+
+Reproducibility: a seeded non-greedy row draws its noise only from its own generator,
+exactly one vocabulary-sized draw per sampled token, and every step of its processing is
+row-wise, so its tokens depend on its logits and its seed and never on which other rows
+share the batch. Unseeded rows share the global RNG.
+
+Logprobs are "raw": the log_softmax of the model's logits as given, before penalties,
+temperature and truncation (vLLM's default), so they describe the model, not the sampler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.outputs import TokenLogprobs
+from engine.sampling_params import SamplingParams
+
+# Top-p looks for a row's nucleus among this many most likely tokens, then among more,
+# before sorting the whole vocabulary (see `_top_p`).
+TOP_P_CANDIDATES = (256, 4096)
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one sequence that samples this step.
+
+    `prompt_token_ids` and `output_token_ids` are read only when the params have a penalty
+    or an unmet `min_tokens`, so passing the sequence's own lists costs nothing.
+    `generator` is the sequence's own RNG when its request has a seed (see
+    `seeded_generator`), else None.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None = None
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One token per row, and its logprobs where the row's params asked for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def seeded_generator(seed: int, index: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """The RNG of sample `index` (0..n-1) of a request seeded with `seed`.
+
+    Seeded with a hash of (seed, index) rather than seed + index, so that sample 1 of
+    seed s and sample 0 of seed s + 1 do not produce the same tokens. Make it on the
+    device the logits live on; keep it for the sequence's whole life.
+    """
+    digest = hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=8).digest()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(int.from_bytes(digest, "little"))
+    return generator
+
+
+class Sampler:
+    """Turns a step's last-position logits into next tokens.
+
+    `eos_token_ids` are the model's end-of-sequence ids, masked (with the request's
+    `stop_token_ids`) while a sequence has fewer than `min_tokens` outputs; with
+    `ignore_eos` EOS is an ordinary token and only `stop_token_ids` are masked.
+    """
+
+    def __init__(self, eos_token_ids: Iterable[int]) -> None:
+        self.eos_token_ids = sorted(set(eos_token_ids))
+
+    @torch.inference_mode()
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Sample one token per row of `logits` [len(rows), vocab]; `logits` is not modified."""
+        if logits.dim() != 2 or logits.shape[0] != len(rows):
+            raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
+        raw = logits.float()
+        processed = apply_penalties(self._mask_min_tokens(raw, rows), rows)
+        greedy = [i for i, row in enumerate(rows) if row.params.greedy]
+        if len(greedy) == len(rows):
+            token_ids = processed.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(len(rows), dtype=torch.long, device=raw.device)
+            if greedy:
+                index = _index(greedy, raw.device)
+                token_ids[index] = processed[index].argmax(dim=-1)
+            randoms = [i for i, row in enumerate(rows) if not row.params.greedy]
+            index = _index(randoms, raw.device)
+            token_ids[index] = _sample_random(processed[index], [rows[i] for i in randoms])
+        return SamplerOutput(token_ids.tolist(), _logprobs(raw, rows, token_ids))
+
+    def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        vocab_size = logits.shape[1]
+        row_index: list[int] = []
+        token_index: list[int] = []
+        for i, row in enumerate(rows):
+            params = row.params
+            if len(row.output_token_ids) >= params.min_tokens:
+                continue
+            banned = params.stop_token_ids
+            if not params.ignore_eos:
+                banned = [*self.eos_token_ids, *banned]
+            banned = [t for t in banned if t < vocab_size]
+            row_index += [i] * len(banned)
+            token_index += banned
+        if not row_index:
+            return logits
+        masked = logits.clone()
+        masked[_index(row_index, logits.device), _index(token_index, logits.device)] = -torch.inf
+        return masked
+
+
+def _index(positions: Sequence[int], device: torch.device) -> torch.Tensor:
+    return torch.tensor(positions, dtype=torch.long, device=device)
+
+
+def _padded(sequences: Sequence[Sequence[int]], sink: int, device: torch.device) -> torch.Tensor:
+    """[len(sequences), longest] token ids, short rows padded with `sink`."""
+    width = max(len(seq) for seq in sequences)
+    padded = [[*seq, *[sink] * (width - len(seq))] for seq in sequences]
+    return torch.tensor(padded, dtype=torch.long, device=device).view(len(sequences), width)
+
+
+def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return `logits` with each row's penalties applied (a new tensor if any applies).
+
+    Repetition penalty over prompt + output, as transformers' RepetitionPenaltyLogitsProcessor
+    (positive logits divided, negative multiplied); then presence (once per distinct token)
+    and frequency (once per occurrence) penalties over the output only, as OpenAI's.
+    """
+    penalised = [i for i, row in enumerate(rows) if row.params.has_penalties]
+    if not penalised:
+        return logits
+    device = logits.device
+    vocab_size = logits.shape[1]
+    index = _index(penalised, device)
+    params = [rows[i].params for i in penalised]
+    # Work on the penalised rows plus a sink column that absorbs the padding of ragged id
+    # lists, and touch only the ids' positions: O(ids), not O(vocab), per row. Duplicate
+    # ids gather the same value and scatter the same result, so each applies once.
+    sub = torch.cat([logits[index], logits.new_zeros(len(penalised), 1)], dim=1)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
+        seen = _padded(
+            [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in penalised],
+            vocab_size,
+            device,
+        )
+        values = sub.gather(1, seen)
+        sub.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
+    output = _padded([rows[i].output_token_ids for i in penalised], vocab_size, device)
+    if any(p.presence_penalty != 0.0 for p in params):
+        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
+        sub.scatter_(1, output, sub.gather(1, output) - presence)
+    if any(p.frequency_penalty != 0.0 for p in params):
+        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
+        sub.scatter_add_(1, output, (-frequency).expand(output.shape).contiguous())
+    return logits.index_copy(0, index, sub[:, :vocab_size])
+
+
+def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row."""
+    device = logits.device
+    temperature = torch.tensor([row.params.temperature for row in rows], device=device)
+    logits = logits / temperature[:, None]
+    _top_k(logits, [row.params.top_k for row in rows])
+    _top_p(logits, [row.params.top_p for row in rows])
+    _min_p(logits, [row.params.min_p for row in rows])
+    # Exponential race in log space: argmax(logits - log E) with E = -log U ~ Exp(1) is a
+    # draw from softmax(logits), needs no softmax, and lets every seeded row take its
+    # noise from its own generator. (uniform_ + two logs is ~4x faster than exponential_
+    # on CPU; U = 0 gives E = inf, a token that cannot win, as Exp(1) allows.)
+    noise = torch.empty_like(logits)
+    unseeded = [i for i, row in enumerate(rows) if row.generator is None]
+    if len(unseeded) == len(rows):
+        noise.uniform_()
+    else:
+        for i, row in enumerate(rows):
+            if row.generator is not None:
+                noise[i].uniform_(generator=row.generator)
+        if unseeded:
+            index = _index(unseeded, device)
+            noise[index] = torch.rand(len(unseeded), noise.shape[1], device=device)
+    log_exponential = noise.log_().neg_().log_()
+    return logits.sub_(log_exponential).argmax(dim=-1)
+
+
+def _top_k(logits: torch.Tensor, top_ks: Sequence[int]) -> None:
+    """Keep each row's k largest logits (ties with the k-th included), in place."""
+    vocab_size = logits.shape[1]
+    rows = [i for i, k in enumerate(top_ks) if 0 < k < vocab_size]
+    if not rows:
+        return
+    index = _index(rows, logits.device)
+    sub = logits[index]
+    k = _index([top_ks[i] for i in rows], logits.device)
+    # One topk at the largest k serves every row; each row reads its own k-th value.
+    kth = sub.topk(int(k.max()), dim=-1).values.gather(1, (k - 1)[:, None])
+    logits[index] = sub.masked_fill(sub < kth, -torch.inf)
+
+
+def _top_p(logits: torch.Tensor, top_ps: Sequence[float]) -> None:
+    """Keep each row's smallest set of most likely tokens whose mass reaches p (ties with
+    the least likely kept token included), in place."""
+    rows = [i for i, p in enumerate(top_ps) if p < 1.0]
+    if not rows:
+        return
+    index = _index(rows, logits.device)
+    top_p = torch.tensor([top_ps[i] for i in rows], device=logits.device)[:, None]
+    sub = logits[index]
+    vocab_size = sub.shape[1]
+    # A full sort of the vocabulary is slow on CPU and nuclei are usually small: look for
+    # each row's nucleus among its top candidates, widening only for the rows not found.
+    floor = torch.empty_like(top_p)
+    pending = torch.arange(len(rows), device=logits.device)
+    for limit in (*TOP_P_CANDIDATES, vocab_size):
+        candidates = min(limit, vocab_size)
+        row_floor, found = _nucleus_floor(sub[pending], top_p[pending], candidates)
+        floor[pending] = row_floor  # final for found rows; a wider pass redoes the others
+        pending = pending[~found]
+        if pending.numel() == 0:
+            break
+    logits[index] = sub.masked_fill(sub < floor, -torch.inf)
+
+
+def _nucleus_floor(
+    logits: torch.Tensor, top_p: torch.Tensor, candidates: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per row, the smallest logit in the top-p nucleus found among the `candidates` largest,
+    and whether those candidates hold the whole nucleus."""
+    sorted_logits = logits.topk(candidates, dim=-1).values
+    probs = (sorted_logits - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    mass = probs.cumsum(dim=-1)
+    # A token goes when the tokens before it already reach p; the first always stays.
+    kept = (mass - probs < top_p).sum(dim=-1, keepdim=True)
+    return sorted_logits.gather(1, kept - 1), mass[:, -1] >= top_p[:, 0]
+
+
+def _min_p(logits: torch.Tensor, min_ps: Sequence[float]) -> None:
+    """Drop tokens less likely than min_p times the row's most likely token, in place."""
+    rows = [i for i, p in enumerate(min_ps) if p > 0.0]
+    if not rows:
+        return
+    index = _index(rows, logits.device)
+    log_min_p = torch.tensor([math.log(min_ps[i]) for i in rows], device=logits.device)
+    sub = logits[index]
+    # p < min_p * p_max  <=>  logit < max_logit + log(min_p): no softmax needed.
+    threshold = sub.amax(dim=-1, keepdim=True) + log_min_p[:, None]
+    logits[index] = sub.masked_fill(sub < threshold, -torch.inf)
+
+
+def _logprobs(
+    raw: torch.Tensor, rows: Sequence[SamplingRow], token_ids: torch.Tensor
+) -> list[TokenLogprobs | None]:
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if not wanted:
+        return result
+    index = _index(wanted, raw.device)
+    logprobs = torch.log_softmax(raw[index], dim=-1)
+    chosen_ids = token_ids[index]
+    chosen = logprobs.gather(1, chosen_ids[:, None]).squeeze(1).tolist()
+    counts = [rows[i].params.logprobs or 0 for i in wanted]
+    top_values, top_ids = logprobs.topk(min(max(counts), raw.shape[1]), dim=-1)
+    top_value_lists, top_id_lists = top_values.tolist(), top_ids.tolist()
+    for j, (i, token_id) in enumerate(zip(wanted, chosen_ids.tolist(), strict=True)):
+        top = list(zip(top_id_lists[j][: counts[j]], top_value_lists[j][: counts[j]], strict=True))
+        result[i] = TokenLogprobs(token_id, chosen[j], top)
+    return result

@@ -1,0 +1,119 @@
+"""Per-request sampling settings, validated once when the request is built."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+MAX_N = 128
+MAX_LOGPROBS = 20
+# Below this a temperature is treated as greedy: dividing logits by it would overflow
+# float32 without changing which token wins.
+GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to pick the next tokens of one request; ranges follow OpenAI and vLLM.
+
+    Invariants after construction: `stop` is a list of non-empty strings, `stop_token_ids`
+    a list of non-negative ints, `top_k` is 0 when disabled (-1 is accepted and mapped to
+    0), and every field is in range; otherwise `__post_init__` raises `ValueError` whose
+    message starts with the parameter's name.
+    """
+
+    n: int = 1
+    max_tokens: int | None = 16  # None: until the model's max_model_len
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # a single str is accepted
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    logprobs: int | None = None  # number of top alternatives to report; 0: chosen token only
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _check_int("n", self.n, low=1, high=MAX_N)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, low=1)
+        _check_float("temperature", self.temperature, low=0.0)
+        _check_float("top_p", self.top_p, high=1.0)
+        if not self.top_p > 0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        _check_int("top_k", self.top_k, low=-1)
+        self.top_k = max(self.top_k, 0)
+        _check_float("min_p", self.min_p, low=0.0, high=1.0)
+        _check_float("presence_penalty", self.presence_penalty, low=-2.0, high=2.0)
+        _check_float("frequency_penalty", self.frequency_penalty, low=-2.0, high=2.0)
+        _check_float("repetition_penalty", self.repetition_penalty)
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+        self.stop = _normalise_stop(self.stop)
+        self.stop_token_ids = list(self.stop_token_ids)
+        for token_id in self.stop_token_ids:
+            _check_int("stop_token_ids", token_id, low=0)
+        _check_int("min_tokens", self.min_tokens, low=0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
+            )
+        if self.logprobs is not None:
+            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+
+
+def _check_int(name: str, value: object, low: int | None = None, high: int | None = None) -> None:
+    # bool is an int subclass, but `n=True` is a caller bug, not a count.
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_float(
+    name: str, value: object, low: float | None = None, high: float | None = None
+) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    _check_range(name, value, low, high)
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _normalise_stop(stop: object) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return _normalise_stop([stop])
+    if not isinstance(stop, list | tuple):
+        raise ValueError(f"stop must be a string or a list of strings, got {stop!r}")
+    stops = list(stop)
+    for item in stops:
+        if not isinstance(item, str) or not item:
+            raise ValueError(f"stop must hold non-empty strings, got {item!r}")
+    return stops

@@ -1,0 +1,94 @@
+"""SamplingParams: defaults, normalisation and validation messages that name the parameter."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine.sampling_params import SamplingParams
+
+
+def test_defaults_are_valid_and_random() -> None:
+    params = SamplingParams()
+    assert params.n == 1 and params.max_tokens == 16 and params.stop == []
+    assert not params.greedy and not params.has_penalties
+
+
+def test_stop_string_is_normalised_to_a_list() -> None:
+    assert SamplingParams(stop="\n").stop == ["\n"]
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]  # type: ignore[arg-type]
+    assert SamplingParams(stop=None).stop == []  # type: ignore[arg-type]
+
+
+def test_top_k_minus_one_means_off() -> None:
+    assert SamplingParams(top_k=-1).top_k == 0
+
+
+def test_greedy_and_penalty_flags() -> None:
+    assert SamplingParams(temperature=0).greedy
+    assert SamplingParams(temperature=1e-6).greedy
+    assert not SamplingParams(temperature=0.01).greedy
+    assert SamplingParams(repetition_penalty=1.1).has_penalties
+    assert SamplingParams(presence_penalty=-0.5).has_penalties
+    assert SamplingParams(frequency_penalty=0.5).has_penalties
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=0.0),
+        dict(temperature=5.0),
+        dict(top_p=1.0),
+        dict(top_p=1e-9),
+        dict(top_k=1),
+        dict(min_p=1.0),
+        dict(presence_penalty=-2.0, frequency_penalty=2.0),
+        dict(repetition_penalty=0.01),
+        dict(n=128),
+        dict(max_tokens=None, min_tokens=1000),
+        dict(max_tokens=5, min_tokens=5),
+        dict(logprobs=0),
+        dict(logprobs=20),
+        dict(seed=-3),
+        dict(stop_token_ids=[0, 7]),
+    ],
+)
+def test_boundary_values_are_accepted(kwargs: dict) -> None:
+    SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "kwargs"),
+    [
+        ("n", dict(n=0)),
+        ("n", dict(n=129)),
+        ("n", dict(n=True)),
+        ("n", dict(n=2.0)),
+        ("max_tokens", dict(max_tokens=0)),
+        ("temperature", dict(temperature=-1)),
+        ("temperature", dict(temperature=math.nan)),
+        ("temperature", dict(temperature=math.inf)),
+        ("temperature", dict(temperature="1")),
+        ("top_p", dict(top_p=0.0)),
+        ("top_p", dict(top_p=1.5)),
+        ("top_k", dict(top_k=-2)),
+        ("min_p", dict(min_p=-0.1)),
+        ("min_p", dict(min_p=1.1)),
+        ("presence_penalty", dict(presence_penalty=2.5)),
+        ("frequency_penalty", dict(frequency_penalty=-2.5)),
+        ("repetition_penalty", dict(repetition_penalty=0.0)),
+        ("seed", dict(seed=1.5)),
+        ("stop", dict(stop=[""])),
+        ("stop", dict(stop=["ok", 3])),
+        ("stop", dict(stop=3)),
+        ("stop_token_ids", dict(stop_token_ids=[-1])),
+        ("min_tokens", dict(min_tokens=-1)),
+        ("min_tokens", dict(max_tokens=4, min_tokens=5)),
+        ("logprobs", dict(logprobs=-1)),
+        ("logprobs", dict(logprobs=21)),
+    ],
+)
+def test_invalid_values_raise_naming_the_parameter(name: str, kwargs: dict) -> None:
+    with pytest.raises(ValueError, match=rf"^{name} must"):
+        SamplingParams(**kwargs)
