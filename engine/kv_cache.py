@@ -1,0 +1,38 @@
+"""The paged KV tensor: one preallocated tensor holding every layer's keys and values.
+
+Layout `[num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]`; index 0 of
+the second axis is K, 1 is V. Slot `s` of a layer is block `s // block_size`, offset
+`s % block_size`, so a `[num_blocks * block_size, heads, dim]` view addresses slots.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+
+@dataclass(frozen=True, slots=True)
+class KVLayout:
+    """The per-token shape of a model's KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> KVLayout:
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim)
+
+
+def allocate_kv_cache(
+    layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Zeroed so that padding slots read by batched decode attention are finite."""
+    shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+    return torch.zeros(shape, dtype=dtype, device=device)

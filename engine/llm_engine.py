@@ -1,0 +1,288 @@
+"""LLMEngine: requests in, one scheduled and executed batch per `step()`, outputs out."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from cache import BlockManager, bytes_per_block, profile_num_blocks
+from engine.config import EngineConfig
+from engine.device import resolve_device, resolve_dtype
+from engine.kv_cache import KVLayout, allocate_kv_cache
+from engine.model_loader import load_model
+from engine.model_runner import ModelRunner, SequenceChunk
+from engine.outputs import RequestOutput, TokenLogprobs
+from engine.paged_attention import check_model_supported, register_paged_attention
+from engine.request_state import RequestState, SampleState
+from engine.sampler import Sampler
+from engine.sampling_params import SamplingParams
+from scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+# A model's own limit is often far beyond what a CPU serves usefully; cap the default.
+DEFAULT_MAX_MODEL_LEN = 8192
+
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics; token counts are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    used_kv_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
+
+
+class LLMEngine:
+    """Owns the model, the KV cache, the scheduler and every unfinished request.
+
+    Invariant: `_requests` holds exactly the requests with an unfinished sample; a request
+    leaves it in the step that finishes its last sample (or when aborted), and the
+    scheduler has freed all its blocks by then. Not thread-safe: one thread drives it.
+    """
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        loaded = load_model(
+            config.model,
+            dtype=self.dtype,
+            device=self.device,
+            attn_implementation=register_paged_attention(),
+        )
+        check_model_supported(loaded.model)
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.model_name = loaded.name
+        self.eos_token_ids = loaded.eos_token_ids
+        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
+        self.max_model_len = config.max_model_len or min(
+            model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
+        )
+        self.block_size = config.block_size
+        layout = KVLayout.from_config(self.model.config)
+        self.num_kv_blocks = self._profile_num_blocks(layout)
+        kv_cache = allocate_kv_cache(
+            layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
+        )
+        self.runner = ModelRunner(self.model, kv_cache, self.block_size)
+        self.block_manager = BlockManager(
+            self.num_kv_blocks,
+            self.block_size,
+            enable_prefix_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+        )
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(self.eos_token_ids)
+        self._requests: dict[str, RequestState] = {}
+        self._samples: dict[str, SampleState] = {}
+        self._prompt_tokens_total = 0
+        self._generation_tokens_total = 0
+        logger.info(
+            "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+            self.model_name, self.dtype, self.device, self.num_kv_blocks, self.block_size,
+            self.num_kv_blocks * self.block_size, self.max_model_len,
+        )  # fmt: skip
+
+    def _profile_num_blocks(self, layout: KVLayout) -> int:
+        """Run the largest batch the scheduler can form once, then size the cache."""
+        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+        scratch_blocks = -(-tokens // self.block_size)
+        scratch = allocate_kv_cache(
+            layout, scratch_blocks, self.block_size, self.dtype, self.device
+        )
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        ModelRunner(self.model, scratch, self.block_size).execute(
+            [SequenceChunk([0] * tokens, 0, list(range(scratch_blocks)), sample=True)]
+        )
+        del scratch
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        return profile_num_blocks(
+            block_bytes=bytes_per_block(
+                layout.num_layers, self.block_size, layout.num_kv_heads, layout.head_dim, itemsize
+            ),
+            device_type=self.device.type,
+            memory_utilization=self.config.memory_utilization,
+            kv_cache_memory=self.config.kv_cache_memory,
+            max_model_len=self.max_model_len,
+            block_size=self.block_size,
+            watermark=self.config.watermark,
+            cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
+            cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
+        )
+
+    # -- requests ---------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
+
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        """Raise ValueError, with the numbers, for a request that can never be served."""
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        total = len(prompt_token_ids) + (params.max_tokens or 1)
+        if total > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {len(prompt_token_ids)} prompt tokens plus max_tokens="
+                f"{params.max_tokens}; shorten the prompt or lower max_tokens"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        if request_id in self._requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self.validate(prompt_token_ids, params)
+        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
+        state = RequestState.create(
+            request_id, prompt, list(prompt_token_ids), params, max_tokens,
+            self.eos_token_ids, self.tokenizer, self.device,
+        )  # fmt: skip
+        self._requests[request_id] = state
+        self._prompt_tokens_total += len(prompt_token_ids) * params.n
+        for sample in state.samples:
+            self._samples[sample.seq.seq_id] = sample
+            self.scheduler.add(sample.seq)
+
+    def abort_request(self, request_id: str) -> None:
+        """Finish every sample of the request with "abort" and free its blocks now."""
+        self.scheduler.abort(request_id)
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            for sample in state.samples:
+                self._samples.pop(sample.seq.seq_id, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    # -- the step -----------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, sample, apply stops; return the changed requests.
+
+        A failure in the model or sampler fails the requests of this batch (finish reason
+        "error") and leaves the engine serving; their cached block hashes are dropped,
+        since their K/V may not have been written.
+        """
+        batch = self.scheduler.schedule()
+        touched: dict[str, RequestState] = {}
+        for seq in batch.rejected:
+            state = self._requests[seq.request_id]
+            state.error = seq.error
+            touched[state.request_id] = state
+        if batch.scheduled:
+            try:
+                sampled = self._execute(batch)
+            except Exception as exc:
+                logger.exception(
+                    "engine step failed; failing its %d sequences", len(batch.scheduled)
+                )
+                self._fail_batch(batch, f"{type(exc).__name__}: {exc}", touched)
+            else:
+                self._apply_samples(batch, sampled, touched)
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.take_output())
+            if state.finished:
+                self._forget(state)
+        return outputs
+
+    def _execute(self, batch: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
+        chunks = [
+            SequenceChunk(
+                item.token_ids,
+                item.num_computed_tokens,
+                self.block_manager.block_table(item.seq.seq_id),
+                item.samples,
+            )
+            for item in batch.scheduled
+        ]
+        logits = self.runner.execute(chunks)
+        sampling = [item.seq.seq_id for item in batch.scheduled if item.samples]
+        if not sampling:
+            return {}
+        rows = [self._samples[seq_id].row for seq_id in sampling]
+        result = self.sampler.sample(logits, rows)
+        return {
+            seq_id: (token, logprobs)
+            for seq_id, token, logprobs in zip(
+                sampling, result.token_ids, result.logprobs, strict=True
+            )
+        }
+
+    def _apply_samples(
+        self,
+        batch: SchedulerOutput,
+        sampled: dict[str, tuple[int, TokenLogprobs | None]],
+        touched: dict[str, RequestState],
+    ) -> None:
+        grown = self.scheduler.update(batch, {k: token for k, (token, _) in sampled.items()})
+        self._generation_tokens_total += len(grown)
+        for seq in grown:
+            sample = self._samples[seq.seq_id]
+            state = self._requests[seq.request_id]
+            token, logprobs = sampled[seq.seq_id]
+            reason = state.on_token(sample, token, logprobs, self.max_model_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            touched[state.request_id] = state
+
+    def _fail_batch(
+        self, batch: SchedulerOutput, error: str, touched: dict[str, RequestState]
+    ) -> None:
+        for item in batch.scheduled:
+            state = self._requests[item.seq.request_id]
+            state.error = error
+            for sample in state.samples:
+                if not sample.seq.is_finished:
+                    self.scheduler.finish(sample.seq, "error", error)
+            touched[state.request_id] = state
+        self.block_manager.reset_prefix_cache()
+
+    def _forget(self, state: RequestState) -> None:
+        del self._requests[state.request_id]
+        for sample in state.samples:
+            self._samples.pop(sample.seq.seq_id, None)
+
+    def stats(self) -> EngineStats:
+        cache = self.block_manager.stats()
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=cache.num_blocks,
+            used_kv_blocks=cache.used_blocks,
+            kv_usage=cache.usage,
+            prefix_cache_queries=cache.prefix_queries,
+            prefix_cache_hits=cache.prefix_hits,
+            prompt_tokens_total=self._prompt_tokens_total,
+            generation_tokens_total=self._generation_tokens_total,
+            num_preemptions=self.scheduler.num_preemptions,
+        )

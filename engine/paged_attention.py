@@ -1,0 +1,135 @@
+"""Paged attention for Hugging Face models, plugged in through transformers' attention interface.
+
+The model runs over one packed batch `[1, num_tokens]`. For every layer this function
+writes the step's new K/V into their slots of the paged KV tensor and then attends,
+per sequence, over that sequence's blocks: decode rows together in one batched
+computation, prefill chunks one by one (causal within the chunk, plus everything cached
+before it). The causal-mask construction of the model is skipped: transformers builds no
+mask for an attention implementation that has no registered mask function.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface, PreTrainedModel
+
+from engine.attention_metadata import PagedAttentionMetadata
+
+ATTN_IMPLEMENTATION = "pagedserve"
+
+
+class UnsupportedModelError(ValueError):
+    """The model cannot run on paged attention; the message says why."""
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> output `[1, T, H, D]`."""
+    if paged_metadata is None:
+        raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
+    meta = paged_metadata
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = key.shape[1]
+    scale = scaling if scaling is not None else head_dim**-0.5
+
+    k_cache, v_cache = meta.kv_cache[module.layer_idx]
+    k_slots = k_cache.view(-1, num_kv_heads, head_dim)
+    v_slots = v_cache.view(-1, num_kv_heads, head_dim)
+    k_slots.index_copy_(0, meta.slot_mapping, key[0].transpose(0, 1))
+    v_slots.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
+
+    q = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q)
+    if meta.decode_token_index.numel():
+        out[meta.decode_token_index] = _decode_attention(
+            q[meta.decode_token_index], k_cache, v_cache, meta, scale
+        )
+    for chunk in meta.prefills:
+        out[chunk.token_start : chunk.token_end] = _prefill_attention(
+            q[chunk.token_start : chunk.token_end], k_cache, v_cache, chunk.block_ids,
+            chunk.context_len, scale, num_heads // num_kv_heads,
+        )  # fmt: skip
+    return out.unsqueeze(0), None
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per row, grouped by KV head: q `[B, H, D]` -> `[B, H, D]`."""
+    rows, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[-2]
+    keys = k_cache[meta.decode_block_tables].flatten(1, 2)  # [B, S, Hkv, D]
+    values = v_cache[meta.decode_block_tables].flatten(1, 2)
+    grouped = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,bshd->bhgs", grouped, keys).float() * scale
+    scores.masked_fill_(~meta.decode_valid[:, None, None, :], float("-inf"))
+    probs = scores.softmax(dim=-1).to(values.dtype)
+    return torch.einsum("bhgs,bshd->bhgd", probs, values).reshape(rows, num_heads, head_dim)
+
+
+def _prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_ids: torch.Tensor,
+    context_len: int,
+    scale: float,
+    group_size: int,
+) -> torch.Tensor:
+    """A chunk of `Tq` query tokens at the end of a `context_len` context: `[Tq, H, D]`."""
+    num_queries = q.shape[0]
+    head_dim = q.shape[-1]
+    keys = k_cache[block_ids].flatten(0, 1)[:context_len]  # [S, Hkv, D]
+    values = v_cache[block_ids].flatten(0, 1)[:context_len]
+    # Query i sits at position context_len - Tq + i and sees keys up to and including it.
+    query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
+    key_pos = torch.arange(context_len, device=q.device)
+    mask = key_pos[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        keys.transpose(0, 1),
+        values.transpose(0, 1),
+        attn_mask=mask,
+        scale=scale,
+        enable_gqa=group_size > 1,
+    )
+    return out.transpose(0, 1).reshape(num_queries, -1, head_dim)
+
+
+def register_paged_attention() -> str:
+    """Register the function with transformers (idempotent) and return its name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    return ATTN_IMPLEMENTATION
+
+
+def check_model_supported(model: PreTrainedModel) -> None:
+    """Refuse models that paged attention cannot run exactly, with the reason."""
+    name = type(model).__name__
+    if not getattr(model, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not use transformers' attention interface; pagedserve cannot page it"
+        )
+    config = model.config.get_text_config()
+    if config.is_encoder_decoder:
+        raise UnsupportedModelError(
+            f"{name} is an encoder-decoder model; pagedserve serves decoders"
+        )
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(config, "use_sliding_window", False):
+        raise UnsupportedModelError(
+            f"{name} has {sorted(layer_types)} layers; pagedserve supports full attention only"
+        )
