@@ -1,0 +1,110 @@
+"""AsyncLLM: concurrent streams, aborts that free blocks, and surviving a failed step."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.async_llm import AsyncLLM, EngineError
+from engine.config import EngineConfig
+from engine.sampling_params import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_paths: dict[str, Path]):
+    config = EngineConfig(
+        model=str(tiny_model_paths["qwen3"]), dtype="float32", kv_cache_memory="16MiB"
+    )
+    engine = AsyncLLM.from_config(config)
+    yield engine
+    asyncio.run(engine.shutdown())
+
+
+async def collect(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str):
+    deltas: list[str] = []
+    last = None
+    async for output in llm.generate(prompt, params, request_id):
+        deltas.append(output.outputs[0].delta_text)
+        last = output
+    assert last is not None and last.finished
+    return "".join(deltas), last
+
+
+async def wait_for_idle(llm: AsyncLLM) -> None:
+    for _ in range(200):
+        stats = llm.stats()
+        if stats.num_running == stats.num_waiting == stats.used_kv_blocks == 0:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"engine did not go idle: {llm.stats()}")
+
+
+def test_concurrent_streams_equal_sequential_results(llm: AsyncLLM):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [f"prompt number {i} " * (i + 1) for i in range(8)]
+
+    async def run():
+        alone = [await collect(llm, p, params, f"seq-{i}") for i, p in enumerate(prompts)]
+        together = await asyncio.gather(
+            *(collect(llm, p, params, f"par-{i}") for i, p in enumerate(prompts))
+        )
+        return alone, together
+
+    alone, together = asyncio.run(run())
+    for (text_a, out_a), (text_b, out_b) in zip(alone, together, strict=True):
+        assert text_a == out_a.outputs[0].text == text_b == out_b.outputs[0].text
+        assert out_a.outputs[0].token_ids == out_b.outputs[0].token_ids
+
+
+def test_leaving_a_stream_early_aborts_and_frees_blocks(llm: AsyncLLM):
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def run():
+        seen = 0
+        async for _ in llm.generate("long " * 50, params, "early-exit"):
+            seen += 1
+            if seen == 3:
+                break
+        await wait_for_idle(llm)
+
+    asyncio.run(run())
+
+
+def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(
+    llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+):
+    runner = llm.engine.runner
+    original = runner.execute
+    calls = {"n": 0}
+
+    def flaky(chunks):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device failure")
+        return original(chunks)
+
+    monkeypatch.setattr(runner, "execute", flaky)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+    async def run():
+        with pytest.raises(EngineError, match="simulated device failure"):
+            await collect(llm, "doomed", params, "fails")
+        await wait_for_idle(llm)
+        text, _ = await collect(llm, "fine", params, "works")
+        return text
+
+    assert asyncio.run(run())
+    assert llm.is_healthy
+
+
+def test_invalid_input_raises_before_queueing(llm: AsyncLLM):
+    async def run():
+        with pytest.raises(ValueError, match="maximum context length"):
+            await collect(llm, "x", SamplingParams(max_tokens=10**7), "too-long")
+        with pytest.raises(ValueError, match="empty"):
+            await collect(llm, "", SamplingParams(), "empty")
+
+    asyncio.run(run())
+    assert llm.stats().num_waiting == 0

@@ -1,0 +1,56 @@
+"""Engine settings: YAML, environment and overrides, with errors that name the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.config import ConfigError, EngineConfig, load_config
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_default_yaml_serves_the_embedded_model_on_the_cpu():
+    config = load_config(EngineConfig, REPO / "configs" / "default.yaml", environ={})
+    assert config.model == "default"
+    assert config.device == "cpu"
+    assert config.kv_cache_memory == 2 * 1024**3
+
+
+def test_precedence_is_yaml_then_environment_then_overrides(tmp_path: Path):
+    path = tmp_path / "c.yaml"
+    path.write_text("block_size: 8\nmax_num_seqs: 4\nseed: 1\n")
+    env = {"PAGEDSERVE_MAX_NUM_SEQS": "16", "PAGEDSERVE_SEED": "2"}
+    config = load_config(EngineConfig, path, overrides={"seed": 3}, environ=env)
+    assert (config.block_size, config.max_num_seqs, config.seed) == (8, 16, 3)
+
+
+def test_environment_values_are_parsed():
+    env = {"PAGEDSERVE_ENABLE_PREFIX_CACHING": "false", "PAGEDSERVE_KV_CACHE_MEMORY": "1GiB"}
+    config = load_config(EngineConfig, environ=env)
+    assert config.enable_prefix_caching is False
+    assert config.kv_cache_memory == 1024**3
+
+
+@pytest.mark.parametrize(
+    ("yaml_text", "message"),
+    [
+        ("blok_size: 16\n", "unknown setting 'blok_size'"),
+        ("block_size: -4\n", "invalid setting 'block_size'"),
+        ("memory_utilization: 1.5\n", "invalid setting 'memory_utilization'"),
+        ("dtype: float8\n", "invalid setting 'dtype'"),
+        ("- a list\n", "must hold a mapping"),
+    ],
+)
+def test_invalid_yaml_names_the_key(tmp_path: Path, yaml_text: str, message: str):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml_text)
+    with pytest.raises(ConfigError, match=message) as info:
+        load_config(EngineConfig, path, environ={})
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file_is_reported(tmp_path: Path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(EngineConfig, tmp_path / "nope.yaml", environ={})

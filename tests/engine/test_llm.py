@@ -1,0 +1,118 @@
+"""The offline API: prompts of every shape, chat, stops, samples, seeds and logprobs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.paged_attention import UnsupportedModelError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_paths: dict[str, Path]) -> LLM:
+    return LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_prompt_shapes_give_one_output_each(llm: LLM):
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("The quick brown fox")
+    single = llm.generate("The quick brown fox", params, use_tqdm=False)
+    assert len(single) == 1 and single[0].prompt == "The quick brown fox"
+    by_ids = llm.generate(ids, params, use_tqdm=False)
+    assert by_ids[0].prompt is None and by_ids[0].prompt_token_ids == ids
+    assert by_ids[0].outputs[0].token_ids == single[0].outputs[0].token_ids
+    several = llm.generate(["a", "bb", ids], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in several] == [5, 5, 5]
+    assert several[2].outputs[0].text == tokenizer.decode(several[2].outputs[0].token_ids)
+    assert all(o.outputs[0].finish_reason == "length" for o in several)
+
+
+def test_stop_string_cuts_text_and_reports_reason(llm: LLM):
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = llm.generate("Paged attention", greedy, use_tqdm=False)[0].outputs[0].text
+    stop = text[5:8]
+    assert stop and stop not in text[:5]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop])
+    output = llm.generate("Paged attention", params, use_tqdm=False)[0].outputs[0]
+    assert output.text == text[: text.index(stop)]
+    assert (output.finish_reason, output.stop_reason) == ("stop", stop)
+
+
+def test_eos_and_stop_token_ids_end_generation(llm: LLM):
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = llm.generate("Héllo", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[tokens[3]])
+    output = llm.generate("Héllo", params, use_tqdm=False)[0].outputs[0]
+    first = tokens.index(tokens[3])
+    assert output.token_ids == tokens[: first + 1]
+    assert output.stop_reason == tokens[3]
+
+
+def test_seeded_samples_are_reproducible_across_batch_mixes(llm: LLM):
+    seeded = SamplingParams(temperature=1.0, max_tokens=10, seed=7, n=2, ignore_eos=True)
+    other = SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True)
+    alone = llm.generate("Continuous batching", seeded, use_tqdm=False)[0]
+    mixed = llm.generate(
+        ["noise one", "Continuous batching", "noise two two"], [other, seeded, other],
+        use_tqdm=False,
+    )[1]  # fmt: skip
+    assert [o.token_ids for o in alone.outputs] == [o.token_ids for o in mixed.outputs]
+    assert alone.outputs[0].token_ids != alone.outputs[1].token_ids
+
+
+def test_logprobs_are_reported_per_token(llm: LLM):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=3, ignore_eos=True)
+    output = llm.generate("def main", params, use_tqdm=False)[0].outputs[0]
+    assert output.logprobs is not None and len(output.logprobs) == 4
+    for token, entry in zip(output.token_ids, output.logprobs, strict=True):
+        assert entry.token_id == token
+        assert len(entry.top) == 3 and entry.top[0][0] == token  # greedy picks the best
+        assert entry.logprob <= 0
+
+
+def test_chat_uses_the_template(llm: LLM):
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    messages = [{"role": "user", "content": "hi"}]
+    output = llm.chat(messages, params, use_tqdm=False)[0]
+    expected = llm.get_tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    assert output.prompt_token_ids == list(expected)
+
+
+def test_invalid_requests_are_refused(llm: LLM):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], SamplingParams(), use_tqdm=False)
+    with pytest.raises(ValueError, match="maximum context length"):
+        llm.generate("x", SamplingParams(max_tokens=10**6), use_tqdm=False)
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate([[10**7]], SamplingParams(), use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_sliding_window_models_are_refused(tmp_path: Path):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from tests.tiny_models import build_tokenizer
+
+    tokenizer = build_tokenizer(tmp_path)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
+        sliding_window=16, max_window_layers=0,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="full attention"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+
+
+@pytest.mark.slow
+def test_default_model_chat_answers_paris():
+    llm = LLM("default", max_model_len=512, kv_cache_memory="256MiB")
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
+    assert "Paris" in output.outputs[0].text
+    assert output.outputs[0].finish_reason == "stop"

@@ -1,0 +1,69 @@
+"""Resolving the model setting: the embedded default, folders, GGUF files, hub ids."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.device import cpu_has_fast_bf16, resolve_dtype
+from engine.model_loader import ModelLoadError, convert_gguf, load_model
+
+
+def test_local_folder_loads_with_eos_ids(tiny_model_paths: dict[str, Path]):
+    loaded = load_model(
+        str(tiny_model_paths["llama"]), dtype=torch.float32, device=torch.device("cpu")
+    )
+    assert loaded.name == "llama"
+    assert loaded.eos_token_ids == {loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")}
+    assert not loaded.model.training
+
+
+def test_missing_paths_are_clear_errors(tmp_path: Path):
+    with pytest.raises(ModelLoadError, match="model file not found"):
+        load_model(str(tmp_path / "x.gguf"), dtype=torch.float32, device=torch.device("cpu"))
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(str(tmp_path / "absent"), dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_unreachable_hub_id_says_what_to_do(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ModelLoadError, match="local folder"):
+        load_model("someone/no-such-model", dtype=torch.float32, device=torch.device("cpu"))
+
+
+def test_interrupted_conversion_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf")
+    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
+        convert_gguf(gguf)
+    assert list((tmp_path / "converted").iterdir()) == []
+
+
+def test_auto_dtype_follows_the_cpu_flags(tmp_path: Path):
+    with_bf16 = tmp_path / "cpuinfo"
+    with_bf16.write_text("flags : fpu avx512f avx512_bf16\n")
+    without = tmp_path / "cpuinfo-old"
+    without.write_text("flags : fpu avx2\n")
+    assert cpu_has_fast_bf16(with_bf16) and not cpu_has_fast_bf16(without)
+    assert resolve_dtype("float32", torch.device("cpu")) is torch.float32
+    expected = torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+    assert resolve_dtype("auto", torch.device("cpu")) is expected
+
+
+@pytest.mark.slow
+def test_default_model_answers_and_reloads_from_cache(default_model):
+    tokenizer = default_model.tokenizer
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    inputs = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    output = default_model.model.generate(**inputs, max_new_tokens=20, do_sample=False)
+    answer = tokenizer.decode(output[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    assert "Paris" in answer
+    started = time.perf_counter()
+    load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+    assert time.perf_counter() - started < 5
