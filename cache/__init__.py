@@ -1,1 +1,30 @@
 """KV-cache block manager: block pool, free queue, prefix cache, profiling."""
+
+from cache.block import KVCacheBlock
+from cache.block_hash import hash_block
+from cache.block_manager import AllocStatus, BlockManager
+from cache.free_queue import FreeBlockQueue
+from cache.profiling import (
+    InsufficientKVCacheError,
+    bytes_per_block,
+    kv_cache_bytes_cpu,
+    kv_cache_bytes_cuda,
+    num_kv_blocks,
+    profile_num_blocks,
+)
+from cache.stats import CacheStats
+
+__all__ = [
+    "AllocStatus",
+    "BlockManager",
+    "CacheStats",
+    "FreeBlockQueue",
+    "InsufficientKVCacheError",
+    "KVCacheBlock",
+    "bytes_per_block",
+    "hash_block",
+    "kv_cache_bytes_cpu",
+    "kv_cache_bytes_cuda",
+    "num_kv_blocks",
+    "profile_num_blocks",
+]
