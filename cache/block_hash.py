@@ -1,0 +1,23 @@
+"""Chained block hashes for the prefix cache."""
+
+from __future__ import annotations
+
+from array import array
+from collections.abc import Sequence
+
+import xxhash
+
+# Distinct leading bytes keep a first block's encoding apart from any chained block's.
+_ROOT = b"\x00"
+_CHAINED = b"\x01"
+
+
+def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
+    """64-bit xxh3 hash of a full block's token ids chained onto its parent block's hash.
+
+    `parent_hash` is None for a sequence's first block. Equal prefixes give equal hashes
+    (in any process); different ones almost surely differ, and the block manager confirms
+    every hit by comparing tokens and prefix ids, so a collision costs a miss, never wrong KV.
+    """
+    head = _ROOT if parent_hash is None else _CHAINED + parent_hash.to_bytes(8, "little")
+    return xxhash.xxh3_64_intdigest(head + array("q", token_ids).tobytes())

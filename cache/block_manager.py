@@ -1,0 +1,279 @@
+"""Block manager: per-sequence block tables over one shared pool, with prefix caching."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from cache.block import KVCacheBlock
+from cache.block_hash import hash_block
+from cache.free_queue import FreeBlockQueue
+from cache.stats import CacheStats
+
+# The prefix id a sequence's first block extends: the empty prefix. Real ids count up from 1.
+_EMPTY_PREFIX = 0
+
+
+class AllocStatus(enum.Enum):
+    """Answer of `BlockManager.can_allocate`."""
+
+    OK = enum.auto()  # allocate now
+    LATER = enum.auto()  # fits once running sequences free blocks
+    NEVER = enum.auto()  # does not fit even in an empty cache: reject the request
+
+
+@dataclass(slots=True)
+class _SeqBlocks:
+    """One sequence's block table and how far `cache_full_blocks` has got through it.
+
+    Invariants: each of `blocks[:num_hashed]` was a prefix hit, got registered, or was found
+    to duplicate a registered block; `prefix_hash` is the chained hash of their tokens (None
+    while `num_hashed == 0`) and `prefix_id` names that token prefix, or is None once a hash
+    collision left the prefix without an id, which ends registration for this sequence.
+    """
+
+    blocks: list[KVCacheBlock]
+    num_hashed: int = 0
+    prefix_hash: int | None = None
+    prefix_id: int | None = _EMPTY_PREFIX
+
+
+class BlockManager:
+    """Hands out KV-cache blocks to sequences and shares full blocks of equal prefixes.
+
+    Invariants:
+    - Every block is either free (`ref_count == 0`, in the free queue exactly once) or used
+      (`ref_count` == the number of block tables holding it, not in the queue).
+    - `_cached` maps each registered block's hash to that block; only registered blocks carry
+      a hash, and a registered block's KV is never overwritten: blocks are written only by
+      the sequence that took them fresh from the free queue, which drops any old hash first.
+    - Blocks shared by several sequences are full, registered prefix blocks, so no sequence
+      writes into a block another one reads.
+    - `_num_cached_free` is the number of free blocks that are registered.
+    - Prefix ids are never reused, so a hit, confirmed by tokens and parent prefix id, always
+      holds exactly the KV of the requested prefix, whatever the hash function returns.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        enable_prefix_caching: bool = True,
+        watermark: float = 0.01,
+    ) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"need num_blocks, block_size > 0; got {num_blocks}, {block_size}")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.watermark_blocks = int(watermark * num_blocks)
+        self._blocks = [KVCacheBlock(block_id=i) for i in range(num_blocks)]
+        self._free = FreeBlockQueue(self._blocks)
+        self._cached: dict[int, KVCacheBlock] = {}
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self._next_prefix_id = _EMPTY_PREFIX + 1
+        self._num_cached_free = 0
+        self._prefix_queries = 0
+        self._prefix_hits = 0
+        self._evictions = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, token_ids: Sequence[int]) -> AllocStatus:
+        """Whether `allocate(token_ids)` fits now, keeping `watermark_blocks` free."""
+        num_needed = self._num_blocks_for(len(token_ids))
+        if num_needed > self.num_blocks - self.watermark_blocks:
+            return AllocStatus.NEVER
+        # Hit blocks in use cost nothing; free ones are revived off the free queue, so they
+        # count like new blocks.
+        num_shared = sum(1 for block in self._find_cached_prefix(token_ids) if block.ref_count)
+        if len(self._free) - (num_needed - num_shared) >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_id: str, token_ids: Sequence[int]) -> int:
+        """Give `seq_id` blocks for all of `token_ids`; return how many tokens were cached.
+
+        The cached count is a multiple of `block_size` and less than `len(token_ids)`.
+        Raises ValueError if `seq_id` already has blocks and RuntimeError if the free blocks
+        do not suffice (the caller should have seen `can_allocate(...) is AllocStatus.OK`).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} already has blocks")
+        hits = self._find_cached_prefix(token_ids)
+        num_new = self._num_blocks_for(len(token_ids)) - len(hits)
+        num_revived = sum(1 for block in hits if block.ref_count == 0)
+        if num_new + num_revived > len(self._free):
+            raise RuntimeError(
+                f"sequence {seq_id!r} needs {num_new + num_revived} free blocks, "
+                f"{len(self._free)} are free; call can_allocate first"
+            )
+        # Revive hits before taking new blocks, or popping the front could evict a hit.
+        for block in hits:
+            if block.ref_count == 0:
+                self._free.remove(block)
+                self._num_cached_free -= 1
+            block.ref_count += 1
+        seq = _SeqBlocks(blocks=hits + self._take_free(num_new), num_hashed=len(hits))
+        if hits:
+            seq.prefix_hash = hits[-1].block_hash
+            seq.prefix_id = hits[-1].prefix_id
+        self._seqs[seq_id] = seq
+        num_cached_tokens = len(hits) * self.block_size
+        if self.enable_prefix_caching:
+            self._prefix_queries += len(token_ids)
+            self._prefix_hits += num_cached_tokens
+        return num_cached_tokens
+
+    def grow(self, seq_id: str, num_tokens: int) -> bool:
+        """Make room for `num_tokens` slots in total; False (and no change) if blocks run out.
+
+        No watermark applies: the reserve exists so that running sequences can grow.
+        """
+        seq = self._seqs[seq_id]
+        num_new = self._num_blocks_for(num_tokens) - len(seq.blocks)
+        if num_new > len(self._free):
+            return False
+        seq.blocks.extend(self._take_free(num_new))
+        return True
+
+    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+        """Register the blocks of `seq_id` fully covered by the first `num_tokens` tokens.
+
+        Call it when those tokens' KV is (or, within the current step, will be) written, so
+        later requests, and siblings admitted in the same step, can share it. Idempotent.
+        A block equal to an already registered one (same tokens after the same prefix) stays
+        unregistered and the existing entry is kept; on a hash collision with different
+        content neither it nor any later block of the sequence is registered.
+        """
+        if not self.enable_prefix_caching:
+            return
+        seq = self._seqs[seq_id]
+        if num_tokens > len(token_ids) or num_tokens > len(seq.blocks) * self.block_size:
+            raise ValueError(
+                f"cannot cache {num_tokens} tokens of sequence {seq_id!r}: it has "
+                f"{len(token_ids)} tokens and {len(seq.blocks)} blocks"
+            )
+        size = self.block_size
+        while seq.num_hashed < num_tokens // size and seq.prefix_id is not None:
+            start = seq.num_hashed * size
+            tokens = tuple(token_ids[start : start + size])
+            block_hash = hash_block(seq.prefix_hash, tokens)
+            existing = self._cached.get(block_hash)
+            prefix_id: int | None
+            if existing is None:
+                prefix_id = self._next_prefix_id
+                self._next_prefix_id += 1
+                block = seq.blocks[seq.num_hashed]
+                block.block_hash = block_hash
+                block.token_ids = tokens
+                block.prefix_id = prefix_id
+                block.parent_prefix_id = seq.prefix_id
+                self._cached[block_hash] = block
+            elif existing.token_ids == tokens and existing.parent_prefix_id == seq.prefix_id:
+                # Same content as ours: later blocks chain onto its prefix, so they are found
+                # by lookups that pass through the registered twin.
+                prefix_id = existing.prefix_id
+            else:
+                prefix_id = None
+            seq.num_hashed += 1
+            seq.prefix_hash = block_hash
+            seq.prefix_id = prefix_id
+
+    def free(self, seq_id: str) -> None:
+        """Release the blocks of `seq_id`; unknown ids are ignored.
+
+        Blocks keep their hash while free and are evicted only when taken for new use.
+        """
+        seq = self._seqs.pop(seq_id, None)
+        if seq is None:
+            return
+        # Reverse order queues a sequence's tail ahead of the prefix it extends, so the tail
+        # is evicted first and the prefix, more likely to be shared, stays cached longer.
+        for block in reversed(seq.blocks):
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self._free.append(block)
+                if block.block_hash is not None:
+                    self._num_cached_free += 1
+
+    def block_table(self, seq_id: str) -> list[int]:
+        """A copy of the block ids of `seq_id`, in token order."""
+        return [block.block_id for block in self._seqs[seq_id].blocks]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every registration; blocks stay where they are and counters keep counting.
+
+        Running sequences register their full blocks again on their next `cache_full_blocks`.
+        """
+        for block in self._cached.values():
+            block.forget_hash()
+        self._cached.clear()
+        self._num_cached_free = 0
+        for seq in self._seqs.values():
+            seq.num_hashed = 0
+            seq.prefix_hash = None
+            seq.prefix_id = _EMPTY_PREFIX
+
+    def stats(self) -> CacheStats:
+        num_free = len(self._free)
+        num_used = self.num_blocks - num_free
+        return CacheStats(
+            num_blocks=self.num_blocks,
+            used_blocks=num_used,
+            free_blocks=num_free,
+            cached_blocks=self._num_cached_free,
+            usage=num_used / self.num_blocks,
+            prefix_queries=self._prefix_queries,
+            prefix_hits=self._prefix_hits,
+            evictions=self._evictions,
+        )
+
+    def _num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVCacheBlock]:
+        """Registered blocks holding the longest run of full blocks of `token_ids[:-1]`.
+
+        The last token is left out so that a fully cached prompt still computes one token
+        and yields logits, and so that no shared block is ever written to.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[KVCacheBlock] = []
+        parent_hash: int | None = None
+        parent_id: int | None = _EMPTY_PREFIX
+        size = self.block_size
+        for start in range(0, len(token_ids) - size, size):
+            tokens = tuple(token_ids[start : start + size])
+            block_hash = hash_block(parent_hash, tokens)
+            block = self._cached.get(block_hash)
+            # The hash only finds a candidate; tokens and parent prefix id confirm it.
+            if block is None or block.token_ids != tokens or block.parent_prefix_id != parent_id:
+                break
+            hits.append(block)
+            parent_hash = block_hash
+            parent_id = block.prefix_id
+        return hits
+
+    def _take_free(self, num_blocks: int) -> list[KVCacheBlock]:
+        """Pop `num_blocks` blocks off the free-queue front for new use, evicting lazily."""
+        taken = []
+        for _ in range(num_blocks):
+            block = self._free.popleft()
+            if block.block_hash is not None:
+                # The hash stayed valid while the block sat free; drop it now that the block
+                # will be overwritten.
+                del self._cached[block.block_hash]
+                block.forget_hash()
+                self._num_cached_free -= 1
+                self._evictions += 1
+            block.ref_count = 1
+            taken.append(block)
+        return taken
