@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from cache import BlockManager, bytes_per_block, profile_num_blocks
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.device import resolve_device, resolve_dtype
 from engine.kv_cache import KVLayout, allocate_kv_cache
 from engine.model_loader import load_model
@@ -71,6 +71,11 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
         )
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            raise ConfigError(
+                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
+                f" must be at least max_model_len ({self.max_model_len}) so any prompt fits a step"
+            )
         self.block_size = config.block_size
         layout = KVLayout.from_config(self.model.config)
         self.num_kv_blocks = self._profile_num_blocks(layout)

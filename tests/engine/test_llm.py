@@ -116,3 +116,13 @@ def test_default_model_chat_answers_paris():
     output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"
+
+
+def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_model_paths):
+    from engine.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_num_batched_tokens"):
+        LLM(
+            str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB",
+            enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=256,
+        )  # fmt: skip
