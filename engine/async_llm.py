@@ -56,6 +56,11 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.config = engine.config
+        self.num_kv_blocks = engine.num_kv_blocks
+        self.block_size = engine.block_size
+        self.dtype = engine.dtype
+        self.device = engine.device
         self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._failure: BaseException | None = None

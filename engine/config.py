@@ -59,7 +59,9 @@ def load_config(
     for key in cls.model_fields:
         env_value = environ.get(ENV_PREFIX + key.upper())
         if env_value is not None:
-            values[key] = yaml.safe_load(env_value) if env_value else env_value
+            # Kept a string: pydantic converts "16", "false" or "1GiB" by the field's type,
+            # and a string setting such as an API key "007" stays exactly as written.
+            values[key] = env_value
     values.update({k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         return cls.model_validate(values)

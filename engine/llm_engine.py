@@ -107,19 +107,22 @@ class LLMEngine:
         )  # fmt: skip
 
     def _profile_num_blocks(self, layout: KVLayout) -> int:
-        """Run the largest batch the scheduler can form once, then size the cache."""
-        tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-        scratch_blocks = -(-tokens // self.block_size)
-        scratch = allocate_kv_cache(
-            layout, scratch_blocks, self.block_size, self.dtype, self.device
-        )
+        """Size the KV cache from the memory the model leaves free.
+
+        On CUDA the largest batch the scheduler can form runs once first, so the peak
+        includes its activations. On the CPU there is no peak to read (psutil's available
+        memory is the figure, and `1 - memory_utilization` of it stays for activations),
+        so the forward is skipped.
+        """
         if self.device.type == "cuda":
+            tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
+            blocks = -(-tokens // self.block_size)
+            scratch = allocate_kv_cache(layout, blocks, self.block_size, self.dtype, self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-        ModelRunner(self.model, scratch, self.block_size).execute(
-            [SequenceChunk([0] * tokens, 0, list(range(scratch_blocks)), sample=True)]
-        )
-        del scratch
-        if self.device.type == "cuda":
+            ModelRunner(self.model, scratch, self.block_size).execute(
+                [SequenceChunk([0] * tokens, 0, list(range(blocks)), sample=True)]
+            )
+            del scratch
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return profile_num_blocks(

@@ -123,11 +123,18 @@ def load_model(
         )
     except OSError as exc:
         raise ModelLoadError(
-            f"could not load model '{model}': {exc}. If it is a hub id and this machine is "
-            "offline, download it elsewhere and pass the local folder, or use model: default"
+            f"could not load model '{model}': {_first_line(exc)}. If it is a hub id and this "
+            "machine is offline, download it elsewhere and pass the local folder, or use "
+            "model: default"
         ) from None
+    except ValueError as exc:
+        raise ModelLoadError(f"could not load model '{model}': {_first_line(exc)}") from None
     hf_model.to(device).eval()
     return LoadedModel(hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name)
+
+
+def _first_line(exc: Exception) -> str:
+    return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
 
 
 def eos_token_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -1,0 +1,101 @@
+"""The FastAPI app: routes, error handlers, the request-id middleware, and the engine's
+lifetime.
+
+The engine loads in a background task started by the lifespan, so the server answers
+(with 503s, /health included) while a model loads for seconds or minutes; the lifespan's
+exit shuts the engine down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from cache import InsufficientKVCacheError
+from engine.async_llm import AsyncLLM
+from engine.config import ConfigError, EngineConfig
+from engine.model_loader import ModelLoadError
+from server import chat, completions, info
+from server.config import ServeConfig
+from server.errors import install_error_handlers
+from server.request_id import RequestIdMiddleware
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+LLMFactory = Callable[[EngineConfig], AsyncLLM]
+# Load failures caused by the settings: reported in one line, without a traceback.
+SETTINGS_ERRORS = (ConfigError, ModelLoadError, InsufficientKVCacheError, ValueError)
+
+
+def build_app(
+    config: ServeConfig,
+    *,
+    llm_factory: LLMFactory = AsyncLLM.from_config,
+    on_load_error: Callable[[BaseException], None] | None = None,
+) -> FastAPI:
+    """An app serving `config`; `llm_factory` builds the engine (in a worker thread) and
+    `on_load_error` hears of a failure to build it."""
+    state = ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
+        try:
+            yield
+        finally:
+            # A load in progress cannot be interrupted; let it finish so its engine
+            # thread can be stopped rather than leaked.
+            await loading
+            if state.llm is not None:
+                await state.llm.shutdown()
+
+    app = FastAPI(title="pagedserve", version=info.VERSION, lifespan=lifespan)
+    app.state.server = state
+    app.add_middleware(RequestIdMiddleware)
+    install_error_handlers(app)
+    app.include_router(info.open_router)
+    app.include_router(info.api_router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    return app
+
+
+async def _load_engine(
+    state: ServerState,
+    llm_factory: LLMFactory,
+    on_load_error: Callable[[BaseException], None] | None,
+) -> None:
+    config = state.config
+    try:
+        llm = await asyncio.to_thread(llm_factory, config.engine_config())
+    except Exception as exc:
+        if isinstance(exc, SETTINGS_ERRORS):
+            logger.error("cannot start the engine: %s", exc)
+        else:
+            logger.exception("cannot start the engine")
+        state.load_error = exc
+        if on_load_error is not None:
+            on_load_error(exc)
+        return
+    state.llm = llm
+    dtype = str(llm.dtype).removeprefix("torch.")
+    num_blocks = llm.num_kv_blocks
+    logger.info(
+        "model %s served as '%s': %s on %s, max_model_len %d, %d KV blocks of %d tokens "
+        "(%d tokens of KV capacity)",
+        llm.model_name,
+        state.model_name,
+        dtype,
+        llm.device,
+        llm.max_model_len,
+        num_blocks,
+        llm.block_size,
+        num_blocks * llm.block_size,
+    )
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    logger.info("OpenAI-compatible API at http://%s:%d/v1", host, config.port)

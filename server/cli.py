@@ -1,0 +1,116 @@
+"""`pagedserve serve`: the command line, generated from ServeConfig's fields.
+
+Every setting is a flag (`max_num_seqs` is `--max-num-seqs`, booleans also have a
+`--no-` form), so the flags cannot drift from the settings. Bad settings end the
+process with exit code 2 and one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any, Literal, NoReturn, get_args, get_origin
+
+import uvicorn
+
+from engine.config import ConfigError
+from server.config import DEFAULT_PRESET, ServeConfig, resolve_serve_config
+
+USAGE_ERROR = 2
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, like the other start-up errors, instead of argparse's usage block.
+        self.exit(USAGE_ERROR, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # No abbreviations: `--max-num-seq` must be an error, not a silent `--max-num-seqs`.
+    parser = _Parser(
+        prog="pagedserve", description="A small LLM inference server.", allow_abbrev=False
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    preset = ", ".join(f"{key}={value}" for key, value in DEFAULT_PRESET.items())
+    serve = commands.add_parser(
+        "serve",
+        help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API. Settings come from "
+        "--config, then PAGEDSERVE_<SETTING> environment variables, then these flags.",
+        epilog=f"Without --config and --model the default preset applies: {preset}.",
+        allow_abbrev=False,
+    )
+    serve.add_argument("--config", metavar="FILE", help="a YAML file of settings")
+    for name, info in ServeConfig.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        help_text = info.description or ""
+        if info.default is not None and "default" not in help_text:
+            help_text = f"{help_text}; default: {info.default}".lstrip("; ")
+        if info.annotation is bool:
+            serve.add_argument(
+                flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
+            )
+            continue
+        options: dict[str, Any] = {"default": None, "help": help_text}
+        if get_origin(info.annotation) is Literal:
+            options["choices"] = get_args(info.annotation)
+        else:
+            options["metavar"] = name.upper()
+        # Values stay strings; ServeConfig validates and converts them, like YAML values.
+        serve.add_argument(flag, **options)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    overrides = {name: getattr(args, name) for name in ServeConfig.model_fields}
+    try:
+        config = resolve_serve_config(args.config, overrides, os.environ)
+    except ConfigError as exc:
+        return _usage_error(exc)
+    logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
+    # torch and transformers load only once the settings are known good, so that a bad
+    # setting is reported at once.
+    from engine.model_loader import ModelLoadError, resolve_model_folder
+
+    try:
+        # Fail before the server starts for the common mistake of a wrong model path; the
+        # background load reports anything found later (the server then exits, code 2).
+        resolve_model_folder(config.model)
+    except ModelLoadError as exc:
+        return _usage_error(exc)
+    return serve(config)
+
+
+def _usage_error(exc: Exception) -> int:
+    print(f"pagedserve: error: {exc}", file=sys.stderr)
+    return USAGE_ERROR
+
+
+def serve(config: ServeConfig) -> int:
+    """Run the server until interrupted; 2 if the engine could not be built from `config`."""
+    from server.app import SETTINGS_ERRORS, build_app
+
+    failures: list[BaseException] = []
+
+    def stop_on_load_error(exc: BaseException) -> None:
+        failures.append(exc)
+        server.should_exit = True
+
+    app = build_app(config, on_load_error=stop_on_load_error)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host=config.host, port=config.port, log_config=None, log_level=config.log_level
+        )
+    )
+    # uvicorn re-raises Ctrl-C after its graceful shutdown, which is all Ctrl-C asks for.
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    if failures:
+        return USAGE_ERROR if isinstance(failures[0], SETTINGS_ERRORS) else 1
+    return 0

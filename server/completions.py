@@ -1,0 +1,164 @@
+"""POST /v1/completions: one or many prompts, n samples each, as JSON or a stream.
+
+Everything a user can get wrong (parameters, model name, prompt length) is checked
+before the engine sees the request, so a stream never starts for a request that would
+fail validation.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from engine.async_llm import EngineError
+from server.auth import require_api_key
+from server.disconnect import cancel_on_disconnect
+from server.errors import engine_failure, error_body, invalid_request, user_errors
+from server.errors import request_id as http_request_id
+from server.generation import count_usage, encode, final_outputs, generate, new_request_id
+from server.logprobs import CompletionLogprobsFormatter
+from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from server.sampling import sampling_params
+from server.state import ServerState, server_state
+from server.streaming import DONE, SSEResponse, sse
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.sampling_params import SamplingParams
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+_FIELDS = set(CompletionRequest.model_fields)
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = server_state(request)
+    llm = state.ready_llm()
+    state.check_model(body.model)
+    if body.echo and body.logprobs is not None:
+        raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
+    with user_errors(_FIELDS):
+        params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        prompts = [encode(llm, prompt) for prompt in body.prompt]
+        for prompt_ids in prompts:
+            llm.validate(prompt_ids, params)
+    if body.echo:
+        prefixes = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in body.prompt]
+    else:
+        prefixes = [""] * len(prompts)
+    completion = _Completion(state, llm, body, params, prompts, prefixes)
+    if body.stream:
+        return SSEResponse(completion.events(http_request_id(request)))
+    finals = await cancel_on_disconnect(request, completion.run())
+    return Response(completion.response(finals).model_dump_json(), media_type="application/json")
+
+
+@dataclass(slots=True)
+class _Completion:
+    """One validated completion request. `prefixes[p]` starts every choice of prompt p:
+    the prompt's text when echoing, else empty."""
+
+    state: ServerState
+    llm: AsyncLLM
+    body: CompletionRequest
+    params: SamplingParams
+    prompts: list[list[int]]
+    prefixes: list[str]
+    request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    async def run(self) -> list[RequestOutput]:
+        return await final_outputs(self.state, self.llm, self.prompts, self.params, self.request_id)
+
+    def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            prefix = self.prefixes[prompt_index]
+            for completion in output.outputs:
+                formatter = self._formatter(len(prefix))
+                logprobs = formatter.format(completion.logprobs or []) if formatter else None
+                choices.append(
+                    CompletionChoice(
+                        index=prompt_index * self.params.n + completion.index,
+                        text=prefix + completion.text,
+                        logprobs=logprobs,
+                        finish_reason=completion.finish_reason,
+                        stop_reason=completion.stop_reason,
+                    )
+                )
+        return self._envelope(choices, count_usage(finals))
+
+    async def events(self, http_id: str) -> AsyncGenerator[str, None]:
+        """The SSE stream: echoes first, then text deltas; each choice's last chunk has its
+        finish_reason; then the usage chunk if asked for, then [DONE]."""
+        n = self.params.n
+        formatters = {}
+        for prompt_index, prefix in enumerate(self.prefixes):
+            for sample in range(n):
+                index = prompt_index * n + sample
+                formatters[index] = self._formatter(len(prefix))
+                if prefix:
+                    yield sse(self._envelope([CompletionChoice(index=index, text=prefix)]))
+        finals: dict[int, RequestOutput] = {}
+        finished: set[int] = set()
+        try:
+            async for prompt_index, output in generate(
+                self.state, self.llm, self.prompts, self.params, self.request_id
+            ):
+                finals[prompt_index] = output
+                for completion in output.outputs:
+                    index = prompt_index * n + completion.index
+                    if index in finished:
+                        continue
+                    if completion.finish_reason is not None:
+                        finished.add(index)
+                    choice = _delta_choice(index, completion, formatters[index])
+                    if choice is not None:
+                        yield sse(self._envelope([choice]))
+        except EngineError as exc:
+            yield sse(error_body(engine_failure(http_id, exc)))
+            yield DONE
+            return
+        if self.body.include_usage:
+            in_order = [finals[i] for i in range(len(self.prompts))]
+            yield sse(self._envelope([], count_usage(in_order)))
+        yield DONE
+
+    def _formatter(self, offset: int) -> CompletionLogprobsFormatter | None:
+        if self.body.logprobs is None:
+            return None
+        return CompletionLogprobsFormatter(self.llm.tokenizer, offset)
+
+    def _envelope(
+        self, choices: list[CompletionChoice], usage: Usage | None = None
+    ) -> CompletionResponse:
+        return CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=choices,
+            usage=usage,
+        )
+
+
+def _delta_choice(
+    index: int, completion: CompletionOutput, formatter: CompletionLogprobsFormatter | None
+) -> CompletionChoice | None:
+    """The chunk for what `completion` gained since the last output, or None if nothing."""
+    logprobs = None
+    if formatter is not None and completion.delta_logprobs:
+        logprobs = formatter.format(completion.delta_logprobs)
+    if not completion.delta_text and logprobs is None and completion.finish_reason is None:
+        return None
+    return CompletionChoice(
+        index=index,
+        text=completion.delta_text,
+        logprobs=logprobs,
+        finish_reason=completion.finish_reason,
+        stop_reason=completion.stop_reason,
+    )

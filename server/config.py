@@ -1,0 +1,69 @@
+"""Server settings: the engine's settings plus where and how to serve them.
+
+`resolve_serve_config` layers, lowest to highest: field defaults, the default preset
+(only when neither a config file nor a model is given), the YAML file, `PAGEDSERVE_*`
+environment variables, the command line.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator
+
+from engine.config import ENV_PREFIX, EngineConfig, load_config
+
+# The settings of configs/default.yaml, embedded so that `pagedserve serve` with no config
+# and no model serves the embedded model the same way wherever the package is installed
+# (configs/ is not part of the wheel). tests/server/test_config.py keeps the two equal.
+DEFAULT_PRESET: dict[str, Any] = {
+    "model": "default",
+    "device": "cpu",
+    "max_model_len": 4096,
+    "kv_cache_memory": "2GiB",
+}
+
+
+class ServeConfig(EngineConfig):
+    """EngineConfig plus the HTTP settings; frozen and closed to unknown keys like its base."""
+
+    host: str = Field("127.0.0.1", min_length=1)
+    port: int = Field(8000, ge=0, le=65535)
+    api_key: SecretStr | None = Field(
+        None, description="require 'Authorization: Bearer KEY' on /v1 (env PAGEDSERVE_API_KEY)"
+    )
+    served_model_name: str | None = Field(
+        None, min_length=1, description="the name clients use; default: the model's name"
+    )
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+
+    @field_validator("api_key", mode="before")
+    @classmethod
+    def _empty_key_is_no_key(cls, value: object) -> object:
+        # `PAGEDSERVE_API_KEY=` conventionally unsets the key rather than requiring "".
+        return None if value == "" else value
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's share of the settings, as the engine's own type."""
+        return EngineConfig(**{key: getattr(self, key) for key in EngineConfig.model_fields})
+
+
+def resolve_serve_config(
+    config_path: str | Path | None,
+    overrides: Mapping[str, Any],
+    environ: Mapping[str, str],
+) -> ServeConfig:
+    """Build the ServeConfig for `pagedserve serve`; raises ConfigError naming a bad key."""
+    layered: dict[str, Any] = {}
+    env_model = environ.get(ENV_PREFIX + "MODEL")
+    if config_path is None and overrides.get("model") is None and env_model is None:
+        # The preset sits where a config file would: below the environment.
+        layered.update(
+            (key, value)
+            for key, value in DEFAULT_PRESET.items()
+            if ENV_PREFIX + key.upper() not in environ
+        )
+    layered.update((key, value) for key, value in overrides.items() if value is not None)
+    return load_config(ServeConfig, config_path, layered, dict(environ))

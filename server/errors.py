@@ -1,0 +1,170 @@
+"""Every error leaves the server as OpenAI's body: `{"error": {message, type, param, code}}`.
+
+User errors are 4xx and name the offending parameter where there is one; engine failures
+and bugs are 500s that carry the request id so a user report can be matched to the log.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.async_llm import EngineError
+
+logger = logging.getLogger(__name__)
+
+# nginx's "client closed request": the status of a response nobody will read.
+CLIENT_CLOSED_REQUEST = 499
+# Pydantic names the member of a union that failed (`prompt.list[int]`); a client
+# wants the field's path, so these tags are left out of `param`.
+_UNION_TAGS = {"str", "int", "float", "bool"}
+
+
+class OpenAIError(Exception):
+    """An error with the HTTP status and the fields of OpenAI's error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; its request was aborted."""
+
+
+def invalid_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(400, message, param=param)
+
+
+@contextmanager
+def user_errors(fields: set[str], aliases: dict[str, str] | None = None) -> Iterator[None]:
+    """Turn a ValueError about the request (from SamplingParams or llm.validate) into a 400.
+
+    Both raise messages that start with the parameter's name; it becomes `param` when it
+    is one of the request's `fields`, after renaming by `aliases` (SamplingParams' name ->
+    the request's name for the same setting).
+    """
+    try:
+        yield
+    except ValueError as exc:
+        message = str(exc)
+        name = message.split(" ", 1)[0].rstrip(":,")
+        name = (aliases or {}).get(name, name)
+        raise invalid_request(message, name if name in fields else None) from exc
+
+
+def error_body(error: OpenAIError) -> dict[str, dict[str, str | None]]:
+    return {
+        "error": {
+            "message": error.message,
+            "type": error.type,
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def error_response(error: OpenAIError) -> JSONResponse:
+    return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(EngineError, _engine_error)
+    app.add_exception_handler(ClientDisconnected, _client_disconnected)
+    app.add_exception_handler(Exception, _unexpected_error)
+
+
+def request_id(request: Request) -> str:
+    return getattr(request.state, "request_id", "unknown")
+
+
+async def _openai_error(request: Request, exc: OpenAIError) -> Response:
+    return error_response(exc)
+
+
+async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+    return error_response(describe_validation_error(exc))
+
+
+def describe_validation_error(exc: RequestValidationError) -> OpenAIError:
+    """A 400 naming an invalid field (`messages[0].content`), or the body itself.
+
+    Of several errors the deepest is the most telling: for a union-typed field it comes
+    from the member the value came closest to matching.
+    """
+    error = max(exc.errors(), key=lambda candidate: len(candidate["loc"]))
+    location = [part for part in error["loc"] if part not in _UNION_TAGS and "[" not in str(part)]
+    if location and location[0] == "body":
+        location = location[1:]
+    if error["type"] == "json_invalid":
+        reason = error.get("ctx", {}).get("error", "")
+        return invalid_request(f"the request body is not valid JSON: {reason}")
+    if not location or isinstance(location[0], int):
+        # FastAPI hands a non-JSON body (or a JSON array) to the model as the body itself.
+        return invalid_request("the request body must be a JSON object")
+    param = _format_location(location)
+    message = error["msg"].removeprefix("Value error, ")
+    return invalid_request(f"{param}: {message}", param)
+
+
+def _format_location(location: list[int | str]) -> str:
+    text = ""
+    for part in location:
+        text += f"[{part}]" if isinstance(part, int) else f".{part}"
+    return text.lstrip(".")
+
+
+async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
+    message = detail or HTTPStatus(exc.status_code).phrase
+    return error_response(OpenAIError(exc.status_code, message, type=kind, headers=exc.headers))
+
+
+async def _engine_error(request: Request, exc: EngineError) -> Response:
+    return error_response(engine_failure(request_id(request), exc))
+
+
+def engine_failure(request_id: str, exc: EngineError) -> OpenAIError:
+    """The 500 for a request the engine failed, logged under the client's request id."""
+    logger.error("request %s failed in the engine: %s", request_id, exc)
+    message = f"the engine failed this request (request id {request_id}): {exc}"
+    return OpenAIError(500, message, type="server_error")
+
+
+async def _client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> Response:
+    # Starlette re-raises after this response, so the traceback still reaches the log.
+    # This handler runs outside the middleware stack, hence the explicit request id header.
+    rid = request_id(request)
+    message = f"internal server error (request id {rid})"
+    headers = {"X-Request-Id": rid}
+    return error_response(OpenAIError(500, message, type="server_error", headers=headers))

@@ -1,0 +1,66 @@
+"""What the request handlers of one app share: settings, metrics and the engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from fastapi import Request
+
+from server.config import ServeConfig
+from server.errors import OpenAIError
+from server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.llm_engine import EngineStats
+
+
+@dataclass(slots=True)
+class ServerState:
+    """Invariant: while the engine loads, `llm` and `load_error` are both None; afterwards
+    exactly one of them is set, and it never changes again."""
+
+    config: ServeConfig
+    llm: AsyncLLM | None = None
+    load_error: BaseException | None = None
+    started_at: int = field(default_factory=lambda: int(time.time()))
+    metrics: ServerMetrics = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.engine_stats)
+
+    def engine_stats(self) -> EngineStats | None:
+        return None if self.llm is None else self.llm.stats()
+
+    def ready_llm(self) -> AsyncLLM:
+        """The engine, or a 503 while it loads, after it failed to load, or once it died."""
+        if self.llm is None:
+            reason = "is still loading" if self.load_error is None else "failed to load"
+            raise OpenAIError(503, f"the model {reason}", type="service_unavailable")
+        if not self.llm.is_healthy:
+            raise OpenAIError(503, "the engine has stopped", type="service_unavailable")
+        return self.llm
+
+    @property
+    def model_name(self) -> str:
+        """The name clients see; only meaningful once the engine is loaded."""
+        assert self.llm is not None
+        return self.config.served_model_name or self.llm.model_name
+
+    def check_model(self, name: str) -> None:
+        """404 unless `name` is the served name or the engine's own model name."""
+        assert self.llm is not None
+        if name not in (self.model_name, self.llm.model_name):
+            raise OpenAIError(
+                404,
+                f"the model '{name}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+
+def server_state(request: Request) -> ServerState:
+    state: ServerState = request.app.state.server
+    return state

@@ -1,0 +1,94 @@
+"""A real server on a free loopback port, in a background thread, per test module."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
+
+from server.app import build_app
+from server.config import ServeConfig
+
+READY_TIMEOUT = 120.0
+
+
+def tiny_config(model_path: Path, **settings: Any) -> ServeConfig:
+    """The tiny random-weight Llama, small and fp32 so that greedy outputs are stable."""
+    values: dict[str, Any] = {
+        "model": str(model_path),
+        "dtype": "float32",
+        "device": "cpu",
+        "kv_cache_memory": "64MiB",
+        "max_model_len": 512,
+    }
+    return ServeConfig(**(values | settings))
+
+
+@contextmanager
+def live_server(
+    config: ServeConfig, *, wait_ready: bool = True, **app_options: Any
+) -> Iterator[str]:
+    """Serve `build_app(config)` with uvicorn until the block exits; yield its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    app = build_app(config.model_copy(update={"port": port}), **app_options)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: server.started, thread, "the server did not start")
+        if wait_ready:
+            wait_healthy(url)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=60)
+        sock.close()
+
+
+def wait_healthy(url: str, timeout: float = READY_TIMEOUT) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(f"{url}/health").status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not become ready"
+        time.sleep(0.05)
+
+
+def _wait(condition: Any, thread: threading.Thread, message: str) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT
+    while not condition():
+        assert thread.is_alive() and time.monotonic() < deadline, message
+        time.sleep(0.02)
+
+
+def engine_metrics(url: str) -> dict[str, float]:
+    """Every sample of /metrics by name (label-less metrics only are asked for)."""
+    text = httpx.get(f"{url}/metrics").text
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+def client(url: str, api_key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tiny_server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
+    """One server on the tiny Llama for the whole test module; its served name is 'tiny'."""
+    config = tiny_config(tiny_model_paths["llama"], served_model_name="tiny")
+    with live_server(config) as url:
+        yield url

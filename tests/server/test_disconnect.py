@@ -1,0 +1,69 @@
+"""A client that goes away aborts its request: nothing keeps running or holding blocks."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+
+from tests.server.conftest import engine_metrics
+
+LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 450, "ignore_eos": True}
+
+
+def wait_until_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = engine_metrics(url)
+        idle = (
+            metrics["pagedserve_num_requests_running"] == 0
+            and metrics["pagedserve_num_requests_waiting"] == 0
+            and metrics["pagedserve_kv_cache_used_blocks"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def wait_until_running(url: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while engine_metrics(url)["pagedserve_num_requests_running"] < count:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.02)
+
+
+def test_streams_closed_mid_way_free_everything(tiny_server: str) -> None:
+    before = engine_metrics(tiny_server)["pagedserve_generation_tokens_total"]
+    with httpx.Client(timeout=30) as http:
+        for path, body in [
+            ("completions", {**LONG, "stream": True, "n": 2}),
+            (
+                "chat/completions",
+                {**LONG, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+            ),
+        ]:
+            with http.stream("POST", f"{tiny_server}/v1/{path}", json=body) as response:
+                lines = response.iter_lines()
+                received = [next(lines) for _ in range(6)]
+                assert all(line.startswith("data: ") or not line for line in received)
+    metrics = wait_until_idle(tiny_server)
+    assert metrics["pagedserve_num_requests_running"] == 0
+    assert metrics["pagedserve_kv_cache_used_blocks"] == 0
+    generated = metrics["pagedserve_generation_tokens_total"] - before
+    assert generated < 3 * LONG["max_tokens"] / 2, "the aborted requests ran to the end"
+
+
+def test_non_streaming_client_timeout_frees_everything(tiny_server: str) -> None:
+    before = engine_metrics(tiny_server)["pagedserve_generation_tokens_total"]
+    sent = time.monotonic()
+    try:
+        httpx.post(f"{tiny_server}/v1/completions", json={**LONG, "n": 3}, timeout=0.5)
+    except httpx.TimeoutException:
+        pass
+    else:
+        raise AssertionError("the request was expected to outlast the client's timeout")
+    metrics = wait_until_idle(tiny_server)
+    assert metrics["pagedserve_num_requests_running"] == 0
+    assert metrics["pagedserve_kv_cache_used_blocks"] == 0
+    generated = metrics["pagedserve_generation_tokens_total"] - before
+    assert generated < 3 * LONG["max_tokens"], f"ran {time.monotonic() - sent:.1f}s to the end"
