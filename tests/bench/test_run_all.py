@@ -1,0 +1,31 @@
+"""bench.run_all's comparison of the served and the offline throughput."""
+
+from __future__ import annotations
+
+from bench.run_all import comparison, parse_args
+
+
+def test_serving_at_the_highest_concurrency_is_compared_with_pagedserve_offline() -> None:
+    offline = {  # the shape `python -m bench.throughput --json` writes
+        "workload": {"name": "random", "requests": 64, "prompt_tokens": 10240, "output_len": 128},
+        "results": [
+            {"engine": "pagedserve", "tokens_per_second": 400.0},
+            {"engine": "generate_batch", "tokens_per_second": 100.0},
+        ],
+    }
+    serving = {
+        "levels": [
+            {"concurrency": 1, "requests": 8, "successes": 8, "output_throughput": 50.0},
+            {"concurrency": 32, "requests": 64, "successes": 64, "output_throughput": 300.0},
+        ]
+    }
+    lines = comparison(offline, serving).splitlines()
+    assert lines[0] == "offline (bench.throughput, 64 requests at once): 400.0 output tok/s"
+    assert "concurrency 32, 64/64 ok): 300.0 output tok/s" in lines[1]
+    assert lines[2] == "HTTP serving overhead: 25.0% (served / offline = 0.75x)"
+
+
+def test_throughput_args_are_split_like_a_shell() -> None:
+    args = parse_args(["--throughput-args", "--engines pagedserve --num-requests 16"])
+    assert args.throughput_args == ["--engines", "pagedserve", "--num-requests", "16"]
+    assert parse_args([]).throughput_args == []
