@@ -1,0 +1,82 @@
+"""Smoke tests of the offline benchmarks on the tiny Llama: they run, every engine does the
+whole workload, and the reports hold what `bench.run_all` reads. Timings are never checked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from bench import step_profile, throughput
+from bench.workloads import ordinary_token_ids, random_workload, shared_prefix_workload
+from engine.paged_attention import ATTN_IMPLEMENTATION, paged_attention_forward
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tiny_model_paths: dict[str, Path]) -> str:
+    return str(tiny_model_paths["llama"])
+
+
+def test_workloads_are_seeded_and_avoid_excluded_ids():
+    token_ids = ordinary_token_ids(50, excluded=[0, 1, 2])
+    first = random_workload(6, 3, 9, 4, token_ids, seed=7)
+    assert first == random_workload(6, 3, 9, 4, token_ids, seed=7)
+    assert all(3 <= len(p) <= 9 for p in first.prompts)
+    assert not {0, 1, 2} & {t for p in first.prompts for t in p}
+    assert first.num_output_tokens == 24
+    shared = shared_prefix_workload(3, 10, 2, 4, token_ids)
+    assert all(p[:10] == shared.prompts[0][:10] and len(p) == 12 for p in shared.prompts)
+
+
+def test_left_pad_puts_prompts_at_the_right_edge():
+    input_ids, mask = throughput.left_pad([[5, 6, 7], [8]], pad_id=0, device=torch.device("cpu"))
+    assert input_ids.tolist() == [[5, 6, 7], [0, 0, 8]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1]]
+
+
+def test_w1_runs_every_engine_and_writes_json(tiny_llama: str, tmp_path: Path, capsys):
+    path = tmp_path / "w1.json"
+    throughput.main(
+        [
+            "--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+            "--num-requests", "3", "--min-prompt", "4", "--max-prompt", "9",
+            "--output-len", "3", "--generate-batch-size", "2", "--json", str(path),
+        ]
+    )  # fmt: skip
+    report = json.loads(path.read_text())
+    engines = [r["engine"] for r in report["results"]]
+    assert engines == ["pagedserve", "generate_batch", "generate (batch 2)"]
+    assert all(r["output_tokens"] == 9 and r["tokens_per_second"] > 0 for r in report["results"])
+    assert report["workload"]["requests"] == 3
+    assert report["ratios"]["generate_batch"] == pytest.approx(1.0)
+    assert "pagedserve / generate_batch" in capsys.readouterr().out
+
+
+def test_shared_prefix_reports_ttft_and_cache_hits(tiny_llama: str, tmp_path: Path):
+    path = tmp_path / "prefix.json"
+    throughput.main(
+        [
+            "--workload", "shared-prefix", "--model", tiny_llama, "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--num-requests", "4", "--prefix-len", "48",
+            "--tail-len", "4", "--output-len", "2", "--json", str(path),
+        ]
+    )  # fmt: skip
+    on, off = json.loads(path.read_text())["results"]
+    assert on["cached_prompt_tokens"] > 0 and off["cached_prompt_tokens"] == 0
+    assert on["ttft_median_ms"] > 0 and off["ttft_median_ms"] > 0
+
+
+def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
+    args = step_profile.parse_args(
+        ["--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+         "--batch-sizes", "2,3", "--context", "20", "--steps", "2"]
+    )  # fmt: skip
+    profiles = step_profile.run(args)
+    assert [p.batch for p in profiles] == [2, 3]
+    for profile in profiles:
+        assert 0 < profile.attention_ms < profile.step_ms
+        assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
+    assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] is paged_attention_forward
