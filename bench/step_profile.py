@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 
 import torch
 from transformers import AttentionInterface, PreTrainedModel
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import throughput
 from bench.workloads import ordinary_token_ids, random_workload
@@ -39,7 +40,6 @@ from engine import LLM, SamplingParams
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
-from engine.paged_attention import ATTN_IMPLEMENTATION, paged_attention_forward
 
 logger = logging.getLogger("bench.step_profile")
 
@@ -113,13 +113,16 @@ class InstrumentedEngine:
         runner.execute = self.execute.wrap(runner.execute)  # type: ignore[method-assign]
         runner.model = self.model.wrap(runner.model)
         engine.sampler.sample = self.sampling.wrap(engine.sampler.sample)  # type: ignore[method-assign]
-        # The model looks its attention function up by name on every call.
+        # The model looks its attention function up by name on every call; wrap the one
+        # this engine registered (the torch path or the C++ decode kernel's).
+        self.attention_name = engine.model.config._attn_implementation
+        self.attention_function = ALL_ATTENTION_FUNCTIONS[self.attention_name]
         AttentionInterface.register(
-            ATTN_IMPLEMENTATION, self.attention.wrap(paged_attention_forward)
+            self.attention_name, self.attention.wrap(self.attention_function)
         )
 
     def close(self) -> None:
-        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        AttentionInterface.register(self.attention_name, self.attention_function)
 
     def timed_step(self) -> StepTimes:
         for watch in (self.execute, self.model, self.attention, self.sampling):

@@ -59,7 +59,7 @@ class LLMEngine:
             config.model,
             dtype=self.dtype,
             device=self.device,
-            attn_implementation=register_paged_attention(),
+            attn_implementation=register_paged_attention(config.attention_backend, self.device),
         )
         check_model_supported(loaded.model)
         self.model = loaded.model

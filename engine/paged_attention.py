@@ -10,13 +10,18 @@ mask for an attention implementation that has no registered mask function.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
 from engine.attention_metadata import PagedAttentionMetadata
+from engine.kernels.decode_attention import DecodeKernel, load_decode_kernel, supports
 
 ATTN_IMPLEMENTATION = "pagedserve"
+# Decode rows through the C++ kernel; a name of its own so both backends can coexist.
+ATTN_IMPLEMENTATION_CPP = "pagedserve_cpp"
 
 
 class UnsupportedModelError(ValueError):
@@ -32,9 +37,13 @@ def paged_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     paged_metadata: PagedAttentionMetadata | None = None,
+    decode_kernel: DecodeKernel | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
-    """query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> output `[1, T, H, D]`."""
+    """query `[1, H, T, D]`, key/value `[1, Hkv, T, D]` -> output `[1, T, H, D]`.
+
+    Decode rows go through `decode_kernel` when one is bound and supports the tensors.
+    """
     if paged_metadata is None:
         raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
     meta = paged_metadata
@@ -51,9 +60,16 @@ def paged_attention_forward(
     q = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q)
     if meta.decode_token_index.numel():
-        out[meta.decode_token_index] = _decode_attention(
-            q[meta.decode_token_index], k_cache, v_cache, meta, scale
-        )
+        q_decode = q[meta.decode_token_index]
+        if decode_kernel is not None and supports(q.dtype, head_dim, q.device):
+            out[meta.decode_token_index] = decode_kernel(
+                q_decode, k_cache, v_cache, meta.decode_block_tables,
+                meta.decode_context_lens, scale,
+            )  # fmt: skip
+        else:
+            out[meta.decode_token_index] = _decode_attention(
+                q_decode, k_cache, v_cache, meta, scale
+            )
     for chunk in meta.prefills:
         out[chunk.token_start : chunk.token_end] = _prefill_attention(
             q[chunk.token_start : chunk.token_end], k_cache, v_cache, chunk.block_ids,
@@ -110,10 +126,26 @@ def _prefill_attention(
     return out.transpose(0, 1).reshape(num_queries, -1, head_dim)
 
 
-def register_paged_attention() -> str:
-    """Register the function with transformers (idempotent) and return its name."""
-    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
-    return ATTN_IMPLEMENTATION
+def register_paged_attention(backend: str = "torch", device: torch.device | None = None) -> str:
+    """Register the function with transformers (idempotent) and return its name.
+
+    `backend` is the `attention_backend` setting: 'cpp' binds the C++ decode kernel and
+    raises if it cannot be built or `device` is not the CPU; 'auto' binds it on the CPU
+    when it builds (a failed build is logged once) and otherwise keeps torch.
+    """
+    on_cpu = device is None or device.type == "cpu"
+    if backend == "cpp" and not on_cpu:
+        raise ValueError(f"attention_backend 'cpp' runs on the CPU, not on {device}")
+    kernel = load_decode_kernel() if backend != "torch" and on_cpu else None
+    if backend == "cpp" and kernel is None:
+        raise RuntimeError("attention_backend 'cpp': the C++ decode kernel did not build (see log)")
+    if kernel is None:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+        return ATTN_IMPLEMENTATION
+    AttentionInterface.register(
+        ATTN_IMPLEMENTATION_CPP, partial(paged_attention_forward, decode_kernel=kernel)
+    )
+    return ATTN_IMPLEMENTATION_CPP
 
 
 def check_model_supported(model: PreTrainedModel) -> None:

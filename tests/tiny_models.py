@@ -61,7 +61,8 @@ def build_model(folder: Path, architecture: str, seed: int = 0) -> Path:
     tokenizer = build_tokenizer(folder)
     common = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
+        # head_dim 32 (128 / 4 heads) is the smallest the C++ decode kernel takes.
+        hidden_size=128,
         intermediate_size=128,
         num_hidden_layers=2,
         num_attention_heads=4,
@@ -76,7 +77,7 @@ def build_model(folder: Path, architecture: str, seed: int = 0) -> Path:
     if architecture == "llama":
         config = LlamaConfig(**common)
     elif architecture == "qwen3":
-        config = Qwen3Config(head_dim=16, **common)
+        config = Qwen3Config(head_dim=32, **common)
     else:
         raise ValueError(f"unknown tiny architecture {architecture!r}")
     torch.manual_seed(seed)

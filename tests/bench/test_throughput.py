@@ -12,7 +12,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import step_profile, throughput
 from bench.workloads import ordinary_token_ids, random_workload, shared_prefix_workload
-from engine.paged_attention import ATTN_IMPLEMENTATION, paged_attention_forward
+from engine.paged_attention import ATTN_IMPLEMENTATION_CPP, paged_attention_forward
 
 
 @pytest.fixture(scope="module")
@@ -79,4 +79,6 @@ def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
     for profile in profiles:
         assert 0 < profile.attention_ms < profile.step_ms
         assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
-    assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION] is paged_attention_forward
+    # The timing wrapper is gone again: the engine's own registration (the torch function
+    # bound to the C++ decode kernel) is back in place.
+    assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION_CPP].func is paged_attention_forward

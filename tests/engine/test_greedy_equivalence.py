@@ -54,10 +54,11 @@ def references(tiny_model_paths: dict[str, Path]) -> dict[str, tuple[list, list]
     return result
 
 
-# A tiny-model block of 4 tokens takes 2 layers x K,V x 4 tokens x 2 heads x 16 x 4 bytes.
-TINY_BLOCK_BYTES = 2048
+# A tiny-model block of 4 tokens takes 2 layers x K,V x 4 tokens x 2 heads x 32 x 4 bytes.
+TINY_BLOCK_BYTES = 4096
 SETTINGS = {
     "one-batch": dict(block_size=4, max_num_batched_tokens=2048),
+    "torch-attention": dict(block_size=4, attention_backend="torch"),
     "chunked-prefill": dict(block_size=4, max_num_batched_tokens=13),
     # 70 blocks: the seven short prompts are admitted together and run out of blocks
     # while decoding, so the newest are preempted and recomputed.

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.paged_attention import UnsupportedModelError
+from engine.paged_attention import ATTN_IMPLEMENTATION_CPP, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")
@@ -126,3 +126,8 @@ def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_model_path
             str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB",
             enable_chunked_prefill=False, max_model_len=512, max_num_batched_tokens=256,
         )  # fmt: skip
+
+
+def test_auto_backend_runs_decode_through_the_cpp_kernel(llm: LLM):
+    # This CPU has a compiler, and the tiny models' head_dim (32) is one the kernel takes.
+    assert llm.engine.model.config._attn_implementation == ATTN_IMPLEMENTATION_CPP

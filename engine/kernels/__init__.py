@@ -1,0 +1,1 @@
+"""Native CPU kernels, built on first use; every one has a torch fallback."""

@@ -1,0 +1,412 @@
+// Paged decode attention on the CPU: one query token per sequence, attending over that
+// sequence's keys and values read in place from the paged KV cache.
+//
+// Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer of the
+// paged KV tensor); block_tables [B, max_blocks]; context_lens [B]; output [B, H, D].
+// Token t of sequence b lives at block block_tables[b][t / block_size], offset
+// t % block_size. Query head h reads KV head h / G, where G = H / Hkv (grouped-query
+// attention; G = 1 is plain multi-head attention).
+//
+// Algorithm. One work item is one sequence, not one (sequence, KV head) pair: the K rows
+// of all KV heads of a token are adjacent, so a sequence reads each block as one
+// contiguous piece, where a KV head alone would read every Hkv-th stretch of it (that was
+// about twice as slow from memory). The context is walked one KV block at a time, and
+// each block is one tile of an online softmax, per query head h:
+//   s[t]  = scale * <q[h], k[t]>                 for the tile's tokens t
+//   m'    = max(m, max_t s[t])                   running maximum
+//   c     = exp(m - m')                          rescales what was summed under m
+//   l     = c * l + sum_t exp(s[t] - m')         running sum
+//   acc   = c * acc + sum_t exp(s[t] - m') * v[t]
+// and finally out[h] = acc / l. Nothing is gathered or padded: each block is read from
+// memory once, prefetched while the previous block is computed, and the G query heads of
+// a KV head then read its vectors from cache. All arithmetic is fp32, and the result is
+// rounded once when stored.
+//
+// Parallelism. Sequences go to OpenMP threads (torch's pool and thread count) with
+// dynamic scheduling, because context lengths differ and a static split of a batch
+// ordered by age would give one thread all the long sequences.
+//
+// Vectors. The inner loops use GCC/Clang vector extensions: a `Vec` is 16 fp32 lanes,
+// one AVX-512 register under -march=native (two AVX2 registers elsewhere). head_dim is a
+// multiple of 32 and fixed at compile time per instantiation, so that a query row and an
+// accumulator row stay in registers. Each 32 values of a row are handled as a `Pair` of
+// Vecs; for bf16 the pair holds the even and the odd elements, because splitting 32-bit
+// words into their two bf16 halves widens them with one operation each and no shuffle.
+// Queries and accumulators use the same order, which a dot product does not see, and the
+// output is written back in natural order. Dot products are reduced 16 at a time with a
+// shuffle tree, and exp() is a short polynomial, because neither auto-vectorises without
+// -ffast-math.
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+static_assert(std::endian::native == std::endian::little, "bf16 loads assume little endian");
+
+constexpr int64_t kLanes = 16;
+constexpr int64_t kPairLanes = 2 * kLanes;
+using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
+using IntVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using Vec8 = float __attribute__((vector_size(8 * sizeof(float))));
+using Vec4 = float __attribute__((vector_size(4 * sizeof(float))));
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+struct Pair {
+  Vec first;
+  Vec second;
+};
+
+inline Vec splat(float x) { return Vec{} + x; }
+
+inline Vec load(const float* p) {
+  Vec v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
+
+// 32 fp32 values in order: [0, 16) and [16, 32).
+inline Pair load_pair(const float* p) { return {load(p), load(p + kLanes)}; }
+
+// 32 bf16 values as fp32: the even and the odd elements. A bf16 value is the upper half of
+// the fp32 value with the same bits, and a little-endian 32-bit word holds element 2i in
+// its low half and 2i + 1 in its high half.
+inline Pair load_pair(const at::BFloat16* p) {
+  IntVec words;
+  std::memcpy(&words, p, sizeof(words));
+  return {std::bit_cast<Vec>(words << 16), std::bit_cast<Vec>(words & int32_t(0xFFFF0000))};
+}
+
+inline void store_pair(float* p, const Pair& v) {
+  store(p, v.first);
+  store(p + kLanes, v.second);
+}
+
+inline void store_pair(at::BFloat16* p, const Pair& v) {
+  for (int64_t i = 0; i < kLanes; ++i) {
+    p[2 * i] = at::BFloat16(v.first[i]);  // rounds to nearest even, as torch does
+    p[2 * i + 1] = at::BFloat16(v.second[i]);
+  }
+}
+
+inline float reduce_sum(Vec v) {
+  const Vec8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
+                  __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  return (v4[0] + v4[2]) + (v4[1] + v4[3]);
+}
+
+inline float reduce_max(Vec v) {
+  const Vec8 lo8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const Vec8 hi8 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const Vec8 v8 = lo8 > hi8 ? lo8 : hi8;
+  const Vec4 lo4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3);
+  const Vec4 hi4 = __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  const Vec4 v4 = lo4 > hi4 ? lo4 : hi4;
+  return std::max(std::max(v4[0], v4[1]), std::max(v4[2], v4[3]));
+}
+
+// Lane i of the result is the sum of the lanes of p[i], for 16 vectors at once: a tree of
+// 15 two-input shuffles and adds (each level halves the vectors and doubles the sums one
+// vector holds), about 3 operations per vector instead of 8 for one reduce_sum each.
+inline Vec reduce_sum_16(Vec (&p)[kLanes]) {
+  for (int64_t i = 0; i < 8; ++i) {
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
+                                   20, 21, 22, 23) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25,
+                                   26, 27, 28, 29, 30, 31);
+  }
+  for (int64_t i = 0; i < 4; ++i) {
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18,
+                                   19, 24, 25, 26, 27) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22,
+                                   23, 28, 29, 30, 31);
+  }
+  for (int64_t i = 0; i < 2; ++i) {
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20,
+                                   21, 24, 25, 28, 29) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22,
+                                   23, 26, 27, 30, 31);
+  }
+  return __builtin_shufflevector(p[0], p[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28,
+                                 30) +
+         __builtin_shufflevector(p[0], p[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
+                                 31);
+}
+
+// exp(x) for x <= 0, the only arguments an online softmax produces; relative error
+// about 2e-7 (the Cephes expf polynomial), exactly 0 below -87 where fp32 denormals
+// start, and exp(-inf) = 0.
+inline Vec exp_nonpositive(Vec x) {
+  const Vec clamped = x < -87.0f ? splat(-87.0f) : x;
+  // n = round(x / ln 2); the magic constant rounds to nearest for |x / ln 2| < 2^22.
+  constexpr float kRound = 12582912.0f;  // 1.5 * 2^23
+  const Vec n = (clamped * 1.44269504088896341f + kRound) - kRound;
+  // r = x - n ln 2 with ln 2 split so that n * 0.693359375 is exact; |r| <= ln(2) / 2.
+  const Vec r = clamped - n * 0.693359375f + n * 2.12194440e-4f;
+  Vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  // Multiply by 2^n by building its exponent field; n >= -126 keeps it a normal number.
+  const IntVec bits = (__builtin_convertvector(n, IntVec) + 127) << 23;
+  const Vec result = p * std::bit_cast<Vec>(bits);
+  return x < -87.0f ? Vec{} : result;
+}
+
+// The online-softmax state of one query head: running max, running sum and the
+// accumulator row (in pair order).
+struct HeadState {
+  float max;
+  float sum;
+  float* acc;
+};
+
+// Folds `tile` tokens of one KV block into the state of one query head. `keys` and
+// `values` point at the head's KV vector of the block's first token; `scores` has room
+// for the tile rounded up to whole vectors.
+template <typename scalar_t, int64_t kPairs>
+inline void attend_tile(const Pair (&q)[kPairs], const scalar_t* keys, const scalar_t* values,
+                        int64_t token_stride, int64_t tile, int64_t padded_tile, float* scores,
+                        HeadState& state) {
+  for (int64_t t0 = 0; t0 < tile; t0 += kLanes) {
+    const int64_t n = std::min(kLanes, tile - t0);
+    Vec partial[kLanes];
+    for (int64_t i = 0; i < n; ++i) {
+      const scalar_t* k = keys + (t0 + i) * token_stride;
+      Vec sum{};
+      for (int64_t c = 0; c < kPairs; ++c) {
+        const Pair kc = load_pair(k + c * kPairLanes);
+        sum += q[c].first * kc.first;
+        sum += q[c].second * kc.second;
+      }
+      partial[i] = sum;
+    }
+    std::fill(partial + n, partial + kLanes, Vec{});
+    store(scores + t0, reduce_sum_16(partial));
+  }
+  std::fill(scores + tile, scores + padded_tile, kNegInf);  // exp(-inf) = 0: no weight
+
+  Vec tile_max = load(scores);
+  for (int64_t t = kLanes; t < padded_tile; t += kLanes) {
+    tile_max = tile_max > load(scores + t) ? tile_max : load(scores + t);
+  }
+  const float new_max = std::max(state.max, reduce_max(tile_max));
+  // exp(-inf) = 0 on the first tile, while the sum and the accumulator are still 0.
+  const float correction = exp_nonpositive(splat(state.max - new_max))[0];
+  Vec tile_sum{};
+  for (int64_t t = 0; t < padded_tile; t += kLanes) {
+    const Vec p = exp_nonpositive(load(scores + t) - new_max);
+    store(scores + t, p);
+    tile_sum += p;
+  }
+  state.max = new_max;
+  state.sum = correction * state.sum + reduce_sum(tile_sum);
+
+  Pair acc[kPairs];
+  for (int64_t c = 0; c < kPairs; ++c) {
+    acc[c] = load_pair(state.acc + c * kPairLanes);
+    acc[c].first *= correction;
+    acc[c].second *= correction;
+  }
+  for (int64_t t = 0; t < tile; ++t) {
+    const scalar_t* v = values + t * token_stride;
+    for (int64_t c = 0; c < kPairs; ++c) {
+      const Pair vc = load_pair(v + c * kPairLanes);
+      acc[c].first += scores[t] * vc.first;
+      acc[c].second += scores[t] * vc.second;
+    }
+  }
+  for (int64_t c = 0; c < kPairs; ++c) {
+    store_pair(state.acc + c * kPairLanes, acc[c]);
+  }
+}
+
+// Prefetches share `part` of `parts` of a KV block's keys and values (`count` values each)
+// into L2. The caller asks for the next block's shares while it computes this block's
+// heads, so that the block streams in during the computation; asking for all of it at
+// once overflows the queue of outstanding misses and loses most of the prefetches.
+template <typename scalar_t>
+inline void prefetch_share(const scalar_t* keys, const scalar_t* values, int64_t count,
+                           int64_t part, int64_t parts) {
+  constexpr int64_t kLine = 64 / sizeof(scalar_t);  // values per cache line
+  for (int64_t i = count * part / parts / kLine * kLine; i < count * (part + 1) / parts;
+       i += kLine) {
+    __builtin_prefetch(keys + i, 0, 1);
+    __builtin_prefetch(values + i, 0, 1);
+  }
+}
+
+// Raises a clear error instead of reading outside the cache when a caller's tables
+// disagree with the cache; costs one pass over B * max_blocks integers.
+void check_tables(const int64_t* tables, const int64_t* lens, int64_t batch, int64_t max_blocks,
+                  int64_t block_size, int64_t num_blocks) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t len = lens[b];
+    TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "context_lens[", b, "] = ", len,
+                " is outside [1, ", max_blocks * block_size, "]");
+    const int64_t used = (len + block_size - 1) / block_size;
+    for (int64_t i = 0; i < used; ++i) {
+      const int64_t block = tables[b * max_blocks + i];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "][", i, "] = ", block,
+                  " is not a block of a ", num_blocks, "-block cache");
+    }
+  }
+}
+
+// head_dim = 32 * kPairs.
+template <typename scalar_t, int64_t kPairs>
+void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
+                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                           const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
+  constexpr int64_t kHeadDim = kPairs * kPairLanes;
+  const int64_t batch = q.size(0);
+  const int64_t num_heads = q.size(1);
+  const int64_t block_size = k_cache.size(1);
+  const int64_t group = num_heads / k_cache.size(2);
+  const int64_t max_blocks = block_tables.size(1);
+  const int64_t token_stride = k_cache.size(2) * kHeadDim;  // between tokens of one block
+  const int64_t block_stride = block_size * token_stride;
+  const int64_t padded_tile = (block_size + kLanes - 1) / kLanes * kLanes;
+
+  const scalar_t* q_data = q.data_ptr<scalar_t>();
+  const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = context_lens.data_ptr<int64_t>();
+  scalar_t* out_data = out.data_ptr<scalar_t>();
+
+  check_tables(tables, lens, batch, max_blocks, block_size, k_cache.size(0));
+
+  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), batch));
+#pragma omp parallel num_threads(num_threads)
+  {
+    // Per-thread scratch, reused across sequences: the accumulator rows of all heads and
+    // one tile of scores.
+    std::vector<float> acc(num_heads * kHeadDim);
+    std::vector<float> scores(padded_tile);
+    std::vector<HeadState> states(num_heads);
+
+#pragma omp for schedule(dynamic)
+    for (int64_t b = 0; b < batch; ++b) {
+      const int64_t context_len = lens[b];
+      const int64_t* table = tables + b * max_blocks;
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t h = 0; h < num_heads; ++h) {
+        states[h] = {kNegInf, 0.0f, &acc[h * kHeadDim]};
+      }
+
+      for (int64_t start = 0; start < context_len; start += block_size) {
+        const int64_t block_offset = table[start / block_size] * block_stride;
+        const int64_t tile = std::min(block_size, context_len - start);
+        const bool has_next = start + block_size < context_len;
+        const int64_t next_offset = has_next ? table[start / block_size + 1] * block_stride : 0;
+        for (int64_t h = 0; h < num_heads; ++h) {
+          if (has_next) {
+            prefetch_share(k_data + next_offset, v_data + next_offset, block_stride, h, num_heads);
+          }
+          Pair qh[kPairs];
+          for (int64_t c = 0; c < kPairs; ++c) {
+            qh[c] = load_pair(q_data + (b * num_heads + h) * kHeadDim + c * kPairLanes);
+            qh[c].first *= scale;
+            qh[c].second *= scale;
+          }
+          const int64_t kv_offset = block_offset + h / group * kHeadDim;
+          attend_tile<scalar_t, kPairs>(qh, k_data + kv_offset, v_data + kv_offset, token_stride,
+                                        tile, padded_tile, scores.data(), states[h]);
+        }
+      }
+
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const float inv_sum = 1.0f / states[h].sum;
+        for (int64_t c = 0; c < kPairs; ++c) {
+          Pair o = load_pair(states[h].acc + c * kPairLanes);
+          o.first *= inv_sum;
+          o.second *= inv_sum;
+          store_pair(out_data + (b * num_heads + h) * kHeadDim + c * kPairLanes, o);
+        }
+      }
+    }
+  }
+}
+
+template <typename scalar_t>
+void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
+                       const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
+  const auto run = [&](auto pairs) {
+    decode_attention_impl<scalar_t, decltype(pairs)::value>(q, k_cache, v_cache, block_tables,
+                                                            context_lens, scale, out);
+  };
+  switch (q.size(2)) {
+    case 32: return run(std::integral_constant<int64_t, 1>{});
+    case 64: return run(std::integral_constant<int64_t, 2>{});
+    case 96: return run(std::integral_constant<int64_t, 3>{});
+    case 128: return run(std::integral_constant<int64_t, 4>{});
+    case 256: return run(std::integral_constant<int64_t, 8>{});
+    default: TORCH_CHECK(false, "paged_decode_attention: unsupported head_dim ", q.size(2));
+  }
+}
+
+torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                                     const torch::Tensor& v_cache,
+                                     const torch::Tensor& block_tables,
+                                     const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on the CPU");
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
+              "q must be [B, H, D] and the caches [num_blocks, block_size, Hkv, D]");
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q, k_cache and v_cache must share one dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches differ in head_dim");
+  TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1),
+              " is not a multiple of num_kv_heads ", k_cache.size(2));
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
+                  context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
+              "block_tables must be [B, max_blocks] and context_lens [B]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
+              "k_cache and v_cache must be contiguous");
+
+  const torch::Tensor q_c = q.contiguous();
+  const torch::Tensor tables = block_tables.to(torch::kLong).contiguous();
+  const torch::Tensor lens = context_lens.to(torch::kLong).contiguous();
+  torch::Tensor out = torch::empty_like(q_c);
+  if (q.size(0) == 0) {
+    return out;
+  }
+  const float fscale = static_cast<float>(scale);
+  switch (q.scalar_type()) {
+    case at::ScalarType::Float:
+      dispatch_head_dim<float>(q_c, k_cache, v_cache, tables, lens, fscale, out);
+      break;
+    case at::ScalarType::BFloat16:
+      dispatch_head_dim<at::BFloat16>(q_c, k_cache, v_cache, tables, lens, fscale, out);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention takes float32 or bfloat16, not ",
+                  q.scalar_type());
+  }
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]", py::arg("q"),
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("context_lens"), py::arg("scale"));
+}
