@@ -8,6 +8,7 @@ invalid values raise `ConfigError` with a one-line message that names the key.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -52,15 +53,15 @@ def load_config(
     cls: type[ConfigT],
     path: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
-    environ: dict[str, str] | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> ConfigT:
     """Build `cls` from a YAML file, `PAGEDSERVE_*` variables and explicit overrides."""
     values: dict[str, Any] = {}
     if path is not None:
         values.update(_read_yaml(Path(path)))
-    environ = os.environ if environ is None else environ
+    env: Mapping[str, str] = os.environ if environ is None else environ
     for key in cls.model_fields:
-        env_value = environ.get(ENV_PREFIX + key.upper())
+        env_value = env.get(ENV_PREFIX + key.upper())
         if env_value is not None:
             # Kept a string: pydantic converts "16", "false" or "1GiB" by the field's type,
             # and a string setting such as an API key "007" stays exactly as written.

@@ -40,7 +40,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
         """Return float32 logits `[number of sampling chunks, vocab]`."""
-        input_ids, positions, slots, logit_index = [], [], [], []
+        input_ids: list[int] = []
+        logit_index: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
         decode_rows: list[int] = []
         prefills: list[PrefillChunk] = []
         for chunk in chunks:

@@ -12,7 +12,7 @@ from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, Toke
 from engine.sampler import SamplingRow, seeded_generator
 from engine.sampling_params import SamplingParams
 from engine.stop_checker import StopChecker
-from scheduler import Sequence
+from scheduler import FinishReason, Sequence
 
 
 @dataclass(slots=True)
@@ -110,7 +110,7 @@ class RequestState:
 
     def on_token(
         self, sample: SampleState, token_id: int, logprobs: TokenLogprobs | None, max_model_len: int
-    ) -> str | None:
+    ) -> FinishReason | None:
         """Account for the token just appended to `sample.seq`; return why it ends, or None.
 
         EOS (unless `ignore_eos`) and `stop_token_ids` end a sample without adding their
@@ -121,7 +121,7 @@ class RequestState:
         seq = sample.seq
         if sample.logprobs is not None and logprobs is not None:
             sample.logprobs.append(logprobs)
-        reason: str | None = None
+        reason: FinishReason | None = None
         if token_id in self.params.stop_token_ids:
             sample.stop_reason = token_id
             reason = "stop"
