@@ -9,6 +9,7 @@ unfinished the thread sleeps on the command queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -158,4 +159,6 @@ class AsyncLLM:
         stream = self._streams.get(request_id)
         if stream is not None:
             loop, outputs = stream
-            loop.call_soon_threadsafe(outputs.put_nowait, item)
+            # A loop closed in the meantime has no consumer left; its abort is queued.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(outputs.put_nowait, item)
