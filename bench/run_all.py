@@ -15,7 +15,6 @@ import argparse
 import json
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,14 +24,10 @@ from typing import Any
 
 import httpx
 
+from bench.tables import free_port
+
 READY_TIMEOUT = 600.0  # the first start converts the default model
 STOP_TIMEOUT = 60.0
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def run_module(module: str, *args: str) -> str:

@@ -32,6 +32,8 @@ from typing import Any
 import httpx
 import numpy as np
 
+from bench.tables import format_table
+
 _COMMON_WORDS = (
     "time year people way day man thing woman life child world school state family student "
     "group country problem hand part place case week company system program question work "
@@ -257,12 +259,7 @@ def format_report(reports: Sequence[LevelReport]) -> str:
         ]
         for r in reports
     ]
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
-    lines = [headers, ["-" * width for width in widths], *rows]
-    return "\n".join(
-        "  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True))
-        for line in lines
-    )
+    return format_table(headers, rows)
 
 
 def write_json(

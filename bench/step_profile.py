@@ -35,6 +35,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import throughput
+from bench.tables import format_table
 from bench.workloads import ordinary_token_ids, random_workload
 from engine import LLM, SamplingParams
 from engine.device import resolve_device, resolve_dtype
@@ -280,7 +281,7 @@ def report(profiles: Sequence[StepProfile]) -> str:
         ]
         for p in profiles
     ]
-    return throughput.format_table(headers, rows)
+    return format_table(headers, rows)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -37,6 +37,7 @@ from transformers import (
     PreTrainedModel,
 )
 
+from bench.tables import format_table
 from bench.workloads import Workload, ordinary_token_ids, random_workload, shared_prefix_workload
 from cache import bytes_per_block
 from engine import LLM, SamplingParams
@@ -347,20 +348,6 @@ def _ratio(numerator: float | None, denominator: float | None) -> float:
     if numerator is None or denominator is None:
         raise ValueError("a TTFT ratio needs pagedserve's TTFT on both sides")
     return numerator / denominator
-
-
-def format_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    """A plain-text table: first column left-aligned, the others right-aligned."""
-    widths = [max(len(str(cell)) for cell in column) for column in zip(headers, *rows, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        first, *rest = cells
-        parts = [first.ljust(widths[0])] + [
-            c.rjust(w) for c, w in zip(rest, widths[1:], strict=True)
-        ]
-        return "  ".join(parts)
-
-    return "\n".join([line(headers), line(["-" * w for w in widths]), *map(line, rows)])
 
 
 def w1_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:

@@ -12,7 +12,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.tables import free_port
 from server.config import resolve_serve_config
 
 ROOT = Path(__file__).parents[2]
@@ -57,12 +57,6 @@ def healthcheck_command() -> list[str]:
     command = json.loads(arguments("HEALTHCHECK")[0].split(" CMD ", 1)[1])
     assert command[0] == "python"
     return [sys.executable, *command[1:]]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def test_install_pins_match_the_makefile() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.tables import free_port
 from server.cli import main
 
 SERVE = [sys.executable, "-m", "server", "serve"]
@@ -66,7 +66,7 @@ def test_more_bad_settings_in_process(
 
 
 def test_serve_starts_answers_and_stops_on_ctrl_c(tiny_model_paths: dict[str, Path]) -> None:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     args = ["--model", str(tiny_model_paths["llama"]), "--dtype", "float32", "--device", "cpu"]
     args += ["--kv-cache-memory", "64MiB", "--max-model-len", "256", "--port", str(port)]
@@ -110,9 +110,3 @@ def _wait_for_health(url: str, process: subprocess.Popen) -> None:
 def _curl(url: str, *args: str) -> str:
     command = ["curl", "-sS", "--fail-with-body", url, *args]
     return subprocess.run(command, capture_output=True, text=True, check=True, timeout=60).stdout
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
