@@ -183,10 +183,9 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> None:
         """Finish every sample of the request with "abort" and free its blocks now."""
         self.scheduler.abort(request_id)
-        state = self._requests.pop(request_id, None)
+        state = self._requests.get(request_id)
         if state is not None:
-            for sample in state.samples:
-                self._samples.pop(sample.seq.seq_id, None)
+            self._forget(state)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -278,7 +277,7 @@ class LLMEngine:
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.request_id]
         for sample in state.samples:
-            self._samples.pop(sample.seq.seq_id, None)
+            del self._samples[sample.seq.seq_id]
 
     def stats(self) -> EngineStats:
         cache = self.block_manager.stats()
