@@ -15,6 +15,7 @@ from engine.kv_cache import KVLayout, allocate_kv_cache
 from engine.model_loader import load_model
 from engine.model_runner import ModelRunner, SequenceChunk
 from engine.outputs import RequestOutput, TokenLogprobs
+from engine.packed_linear import can_pack, pack_linear_layers
 from engine.paged_attention import check_model_supported, register_paged_attention
 from engine.request_state import RequestState, SampleState
 from engine.sampler import Sampler
@@ -67,6 +68,8 @@ class LLMEngine:
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        if can_pack(self.device, self.dtype):
+            pack_linear_layers(self.model)
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN

@@ -1,0 +1,72 @@
+"""Packed linear layers: bit-identical to `F.linear` in bf16, swapped in by the engine."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModelForCausalLM
+
+import engine.llm_engine
+from engine import LLM, SamplingParams
+from engine.packed_linear import PackedLinear, can_pack, pack_linear_layers
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.mkldnn.is_available(), reason="packing needs oneDNN"
+)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_bit_for_bit_in_bf16(rows: int, bias: bool):
+    torch.manual_seed(rows)
+    linear = nn.Linear(96, 160, bias=bias, dtype=torch.bfloat16)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        for x in (torch.randn(rows, 96, dtype=torch.bfloat16), torch.randn(1, rows, 96).bfloat16()):
+            expected = F.linear(x, linear.weight, linear.bias)
+            assert torch.equal(packed(x), expected)
+
+
+def test_can_pack_only_exact_dtypes_on_the_cpu():
+    cpu = torch.device("cpu")
+    assert can_pack(cpu, torch.bfloat16) and can_pack(cpu, torch.float16)
+    assert not can_pack(cpu, torch.float32)
+    assert not can_pack(torch.device("cuda"), torch.bfloat16)
+
+
+def test_packing_a_model_keeps_its_logits(tiny_model_path: Path):
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_path, dtype=torch.bfloat16)
+    model.config.tie_word_embeddings = True  # the packed head must leave the embedding intact
+    model.lm_head.weight = model.get_input_embeddings().weight
+    reference = copy.deepcopy(model)
+    linears = sum(type(m) is nn.Linear for m in model.modules())
+    assert pack_linear_layers(model) == linears > 0
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert torch.equal(model.get_input_embeddings().weight, reference.get_input_embeddings().weight)
+    ids = torch.tensor([[3, 17, 42, 5, 99, 7]])
+    with torch.inference_mode():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
+
+
+def test_bf16_engine_packs_and_generates_as_unpacked(
+    tiny_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+):
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = ["Paged attention", "The quick brown fox jumps", "a"]
+
+    def generate() -> tuple[LLM, list[list[int]]]:
+        llm = LLM(str(tiny_model_paths["llama"]), dtype="bfloat16", kv_cache_memory="16MiB")
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return llm, [list(output.outputs[0].token_ids) for output in outputs]
+
+    packed_llm, packed = generate()
+    assert any(isinstance(m, PackedLinear) for m in packed_llm.engine.model.modules())
+    monkeypatch.setattr(engine.llm_engine, "can_pack", lambda device, dtype: False)
+    plain_llm, plain = generate()
+    assert not any(isinstance(m, PackedLinear) for m in plain_llm.engine.model.modules())
+    assert packed == plain
