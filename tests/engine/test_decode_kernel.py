@@ -109,7 +109,10 @@ def assert_matches(actual: torch.Tensor, case: Case) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("block_size", [8, 16])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 2)], ids=["gqa1", "gqa3", "gqa4"])
+@pytest.mark.parametrize(
+    "heads", [(4, 4), (4, 2), (9, 3), (8, 2), (10, 2), (14, 2), (16, 2)],
+    ids=["gqa1", "gqa2", "gqa3", "gqa4", "gqa5", "gqa7", "gqa8"],
+)  # fmt: skip
 @pytest.mark.parametrize("head_dim", [32, 64, 128])
 def test_matches_reference(
     dtype: torch.dtype, block_size: int, heads: tuple[int, int], head_dim: int
