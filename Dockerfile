@@ -25,6 +25,15 @@ ENV PYTHONUNBUFFERED=1 \
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=
+# A C++ compiler for the decode-attention kernel, in this stage only, and Python's headers
+# where the base image's Python comes without them (an apt-installed python3).
+RUN set -- g++ \
+    && python3 -c "import os, sysconfig; \
+assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
+    || set -- g++ python3-dev; \
+    apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@" \
+    && rm -rf /var/lib/apt/lists/*
 RUN python3 -m venv /opt/pagedserve
 ENV PATH=/opt/pagedserve/bin:$PATH
 # `wheel[s]` matches nothing when there is no wheels/ folder; pyproject.toml keeps the
@@ -45,6 +54,11 @@ COPY engine /build/engine
 COPY server /build/server
 COPY bench /build/bench
 RUN pip install --no-deps /build
+# The kernel is built with -march=native for the CPU of the machine building the image; the
+# runtime stage loads it without a compiler. On a different CPU its folder name (a hash
+# of the CPU flags) does not match: the server logs one warning and decodes with torch.
+RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.kernels.decode_attention \
+import load_decode_kernel; assert load_decode_kernel() is not None"
 
 FROM base
 ARG CONFIG=configs/default.yaml
@@ -54,6 +68,7 @@ RUN groupadd --gid 10001 pagedserve \
     && mkdir -p /models /var/cache/pagedserve \
     && chown pagedserve:pagedserve /models /var/cache/pagedserve
 COPY --from=builder /opt/pagedserve /opt/pagedserve
+COPY --from=builder --chown=10001:10001 /opt/pagedserve-cache/kernels /var/cache/pagedserve/kernels
 COPY ${CONFIG} /etc/pagedserve/config.yaml
 # PAGEDSERVE_* variables override the config file; the command line overrides both.
 ENV PATH=/opt/pagedserve/bin:$PATH \

@@ -5,8 +5,10 @@ builder (ninja and the system C++ compiler) into
 `$PAGEDSERVE_CACHE/kernels/decode_attention-<tag>`. The tag hashes the torch and Python
 versions and the CPU's feature flags, because the library is linked against torch's ABI
 and built with `-march=native`. The first build takes about a minute; later processes
-find it up to date (ninja compares timestamps) and load it in well under a second. A
-failed build is logged once and reported as `None`, so callers keep their torch path.
+load it directly, without compiler or ninja, when the folder's stamp shows it was built
+from this very source and these flags: a container image can carry a library built in its
+builder stage. A failed build is logged once and reported as `None`, so callers keep
+their torch path.
 
 Invariant: the build is tried at most once per process; every later call returns the
 same function or the same failure.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.util
 import logging
 import platform
 import shutil
@@ -34,9 +37,12 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("decode_attention.cpp")
 EXTENSION_NAME = "pagedserve_decode_attention"
+# Written next to the library after a build: the digest of the source and flags it holds.
+STAMP_NAME = "source.sha256"
 # -Wno-psabi: without AVX-512, GCC warns that 64-byte vectors change the calling convention;
 # they never cross a function boundary outside this one file.
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-psabi"]
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-psabi")
+LDFLAGS = ("-fopenmp",)
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # torch's build lock is a file that a killed build leaves behind, and later builds would
@@ -121,6 +127,10 @@ def _extension() -> ModuleType:
 
 
 def _build() -> ModuleType:
+    directory = build_directory()
+    prebuilt = _load_prebuilt(directory)
+    if prebuilt is not None:
+        return prebuilt
     from torch.utils import cpp_extension  # imports setuptools: only once the kernel is needed
 
     compiler = cpp_extension.get_cxx_compiler()
@@ -128,7 +138,6 @@ def _build() -> ModuleType:
         raise KernelUnavailableError(f"no C++ compiler '{compiler}' on PATH (set CXX)")
     if not cpp_extension.is_ninja_available():
         raise KernelUnavailableError("ninja is not installed (pip install ninja)")
-    directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
     with contextlib.suppress(FileNotFoundError):  # no lock: no build under way
         lock = directory / "lock"
@@ -137,13 +146,38 @@ def _build() -> ModuleType:
     logger.info(
         "loading the decode attention kernel from %s (a first build takes a minute)", directory
     )
-    return cpp_extension.load(
+    module = cpp_extension.load(
         name=EXTENSION_NAME,
         sources=[str(SOURCE)],
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
+        extra_cflags=list(CFLAGS),  # copies: torch appends to the lists it is given
+        extra_ldflags=list(LDFLAGS),
         build_directory=str(directory),
     )
+    (directory / STAMP_NAME).write_text(_source_digest())
+    return module
+
+
+def _load_prebuilt(directory: Path) -> ModuleType | None:
+    """The library in `directory` if its stamp matches this source and these flags."""
+    library = directory / f"{EXTENSION_NAME}.so"
+    try:
+        stamp = (directory / STAMP_NAME).read_text()
+    except OSError:
+        return None
+    if stamp != _source_digest() or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(EXTENSION_NAME, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    logger.info("loaded the prebuilt decode attention kernel from %s", library)
+    return module
+
+
+def _source_digest() -> str:
+    flags = " ".join(CFLAGS + LDFLAGS).encode()
+    return hashlib.sha256(SOURCE.read_bytes() + b"\0" + flags).hexdigest()
 
 
 def _cpu_flags() -> str:

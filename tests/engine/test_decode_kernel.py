@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import logging
 import math
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -243,9 +248,10 @@ def test_rejects_unsupported_kinds(dtype: torch.dtype, head_dim: int) -> None:
 
 
 def test_loader_degrades_to_none_with_one_warning(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
     monkeypatch.setattr(decode_attention, "_result", None)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # no library built before
     monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
     with caplog.at_level(logging.WARNING, logger=decode_attention.__name__):
         assert load_decode_kernel() is None
@@ -255,3 +261,29 @@ def test_loader_degrades_to_none_with_one_warning(
     assert "no-such-compiler-pagedserve" in warnings[0].getMessage()
     with pytest.raises(KernelUnavailableError, match="no C\\+\\+ compiler"):
         paged_decode_attention(*[torch.zeros(1)] * 5, scale=1.0)
+
+
+def test_a_stamped_library_loads_without_a_compiler(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As in the container image: built elsewhere, loaded by a new process with no compiler."""
+    assert load_decode_kernel() is not None  # built (or found) in the real cache
+    built = decode_attention.build_directory()
+    shutil.copytree(built, tmp_path / "kernels" / built.name)
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": "no-such-compiler-pagedserve"}
+    check = (
+        "import torch; from engine.kernels.decode_attention import paged_decode_attention as f; "
+        "c = torch.ones(2, 16, 1, 32); "
+        "out = f(torch.ones(1, 2, 32), c, c * 3, torch.tensor([[1]]), torch.tensor([5]), 1.0); "
+        "assert torch.equal(out, torch.full((1, 2, 32), 3.0)), out"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # A stamp from another source (an edited kernel) sends the loader back to the compiler.
+    (tmp_path / "kernels" / built.name / decode_attention.STAMP_NAME).write_text("0" * 64)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
+    monkeypatch.setattr(decode_attention, "_result", None)
+    assert load_decode_kernel() is None
