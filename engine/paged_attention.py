@@ -58,24 +58,35 @@ def paged_attention_forward(
     v_slots.index_copy_(0, meta.slot_mapping, value[0].transpose(0, 1))
 
     q = query[0].transpose(0, 1)  # [T, H, D]
+    if not meta.prefills:  # every token is a decode row, in order: no gather, no scatter
+        return _decode_rows(q, k_cache, v_cache, meta, scale, decode_kernel).unsqueeze(0), None
     out = torch.empty_like(q)
     if meta.decode_token_index.numel():
-        q_decode = q[meta.decode_token_index]
-        if decode_kernel is not None and supports(q.dtype, head_dim, q.device):
-            out[meta.decode_token_index] = decode_kernel(
-                q_decode, k_cache, v_cache, meta.decode_block_tables,
-                meta.decode_context_lens, scale,
-            )  # fmt: skip
-        else:
-            out[meta.decode_token_index] = _decode_attention(
-                q_decode, k_cache, v_cache, meta, scale
-            )
+        out[meta.decode_token_index] = _decode_rows(
+            q[meta.decode_token_index], k_cache, v_cache, meta, scale, decode_kernel
+        )
     for chunk in meta.prefills:
         out[chunk.token_start : chunk.token_end] = _prefill_attention(
             q[chunk.token_start : chunk.token_end], k_cache, v_cache, chunk.block_ids,
             chunk.context_len, scale, num_heads // num_kv_heads,
         )  # fmt: skip
     return out.unsqueeze(0), None
+
+
+def _decode_rows(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    decode_kernel: DecodeKernel | None,
+) -> torch.Tensor:
+    """The decode rows' queries `[B, H, D]` -> `[B, H, D]`, through the kernel when bound."""
+    if decode_kernel is not None and supports(q.dtype, q.shape[-1], q.device):
+        return decode_kernel(
+            q, k_cache, v_cache, meta.decode_block_tables, meta.decode_context_lens, scale
+        )
+    return _decode_attention(q, k_cache, v_cache, meta, scale)
 
 
 def _decode_attention(
