@@ -14,7 +14,8 @@ Per step it reports, as medians over the timed steps:
 - scheduling and input prep: the step minus the model call minus sampling; its input-prep
   part (packing ids, positions, slots, block tables) is also shown on its own;
 - and, for comparison, the Hugging Face model's forward over the same B packed tokens with
-  an attention function that returns zeros: the model's cost without attention.
+  an attention function that returns zeros and its linear weights packed as the engine
+  packs them: the engine's model without attention.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from engine import LLM, SamplingParams
 from engine.device import resolve_device, resolve_dtype
 from engine.llm_engine import LLMEngine
 from engine.model_loader import load_model
+from engine.packed_linear import can_pack, pack_linear_layers
 
 logger = logging.getLogger("bench.step_profile")
 
@@ -250,6 +252,8 @@ def run(args: argparse.Namespace) -> list[StepProfile]:
     del llm, instrumented
     AttentionInterface.register(NO_ATTENTION, zero_attention)
     plain = load_model(args.model, dtype=dtype, device=device, attn_implementation=NO_ATTENTION)
+    if can_pack(device, dtype):  # the engine's weight layout, so only attention differs
+        pack_linear_layers(plain.model)
     return [
         summarize(
             batch,
