@@ -1,12 +1,14 @@
 """`make bench`: offline throughput, then the same model served over HTTP, side by side.
 
-Runs `python -m bench.throughput` (with its defaults, or `--throughput-args`), then starts
-`pagedserve serve --config CONFIG` on a free loopback port, runs `python -m bench.serve`
-against it at concurrency 1, 8 and 32 with the offline run's output length and about its
-prompt length (one random word is about one token), and stops the server. Prints both
-tables and the serving output throughput at the highest concurrency next to pagedserve's
-offline output throughput, with the HTTP overhead as a percentage. The two runs take
-turns, so they never share the CPU. Reports, the server log and the plot go to `--out`.
+Runs `python -m bench.throughput` (with its defaults, or `--throughput-args`), then
+pagedserve alone on the same workload with `--max-num-seqs` set to the highest serving
+concurrency, then starts `pagedserve serve --config CONFIG` on a free loopback port, runs
+`python -m bench.serve` against it at concurrency 1, 8 and 32 with the offline run's output
+length and about its prompt length (one random word is about one token), and stops the
+server. Prints the tables and the serving output throughput at the highest concurrency
+next to the offline figures; the HTTP overhead is taken against the offline run with as
+many sequences in a batch as the server had in flight. The runs take turns, so they
+never share the CPU. Reports, the server log and the plot go to `--out`.
 """
 
 from __future__ import annotations
@@ -79,20 +81,25 @@ def offline_throughput(report: dict[str, Any]) -> float:
     )
 
 
-def comparison(offline: dict[str, Any], serving: dict[str, Any]) -> str:
-    """Serving output tok/s at the highest concurrency against the offline run."""
+def comparison(offline: dict[str, Any], matched: dict[str, Any], serving: dict[str, Any]) -> str:
+    """Serving output tok/s at the highest concurrency against both offline runs; the
+    overhead is taken against `matched`, the offline run with that many sequences at most."""
     level = max(serving["levels"], key=lambda entry: entry["concurrency"])
     offline_tps = offline_throughput(offline)
+    matched_tps = offline_throughput(matched)
     serving_tps = level["output_throughput"]
-    overhead = 100.0 * (1.0 - serving_tps / offline_tps)
+    overhead = 100.0 * (1.0 - serving_tps / matched_tps)
+    requests = offline["workload"]["requests"]
     return "\n".join(
         [
-            f"offline (bench.throughput, {offline['workload']['requests']} requests at once): "
-            f"{offline_tps:.1f} output tok/s",
+            f"offline (bench.throughput, {requests} requests, at most "
+            f"{offline['config']['max_num_seqs']} in a batch): {offline_tps:.1f} output tok/s",
+            f"offline (the same, at most {matched['config']['max_num_seqs']} in a batch): "
+            f"{matched_tps:.1f} output tok/s",
             f"served over HTTP (bench.serve, concurrency {level['concurrency']}, "
             f"{level['successes']}/{level['requests']} ok): {serving_tps:.1f} output tok/s",
-            f"HTTP serving overhead: {overhead:.1f}% "
-            f"(served / offline = {serving_tps / offline_tps:.2f}x)",
+            f"HTTP serving overhead at matched concurrency: {overhead:.1f}% "
+            f"(served / offline = {serving_tps / matched_tps:.2f}x)",
         ]
     )
 
@@ -118,12 +125,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     offline_json, serving_json = args.out / "throughput.json", args.out / "serve.json"
+    matched_json = args.out / "throughput-matched.json"
 
     offline_table = run_module(
         "bench.throughput", *args.throughput_args, "--json", str(offline_json)
     )
     offline = json.loads(offline_json.read_text())
     workload = offline["workload"]
+    concurrency = max(int(level) for level in args.concurrency.split(","))
+    matched_table = run_module(
+        "bench.throughput", *args.throughput_args, "--engines=pagedserve",
+        f"--max-num-seqs={concurrency}", "--json", str(matched_json),
+    )  # fmt: skip
+    matched = json.loads(matched_json.read_text())
     prompt_words = max(1, round(workload["prompt_tokens"] / workload["requests"]))
 
     port = free_port()
@@ -145,10 +159,12 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     print("== offline throughput: python -m bench.throughput ==")
     print(offline_table.rstrip())
+    print(f"\n== the same, pagedserve with at most {concurrency} sequences in a batch ==")
+    print(matched_table.rstrip())
     print("\n== HTTP serving: python -m bench.serve (latencies in ms) ==")
     print(serving_table.rstrip())
     print("\n== serving against offline ==")
-    print(comparison(offline, serving))
+    print(comparison(offline, matched, serving))
     print(f"\nreports in {args.out}/")
 
 

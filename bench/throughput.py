@@ -252,6 +252,7 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             "dtype": dtype,
             "device": device.type,
             "kv_cache_memory": args.kv_cache_memory,
+            "max_num_seqs": args.max_num_seqs,
         },
         environ={},
     )
@@ -461,6 +462,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--kv-cache-memory", default="2GiB",
         help="pagedserve's KV cache (generate_batch gets the same), e.g. 2GiB",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
+        help="sequences in one batch, pagedserve's and generate_batch's (default: %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads for every engine (default: torch's)"
