@@ -48,7 +48,12 @@ class PackedLinear(nn.Module):
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
     """True on the CPU with oneDNN for the dtypes where packing is exact (see module)."""
-    return device.type == "cpu" and dtype in PACKED_DTYPES and torch.backends.mkldnn.is_available()
+    return (
+        device.type == "cpu"
+        and dtype in PACKED_DTYPES
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
 
 
 @torch.inference_mode()
