@@ -4,10 +4,10 @@
 row-major layout at every call, and the library reorders it internally each time. For the
 small row counts of decode steps that reorder is a large share of the call: packing the
 weights once at load time makes SmolLM2's decode-step matmuls ~20% faster at batch 64 and
-up to ~2x faster at batch 1-16 in bf16. Results are
-bit-identical to `F.linear` in bf16 and fp16; in fp32 oneDNN may sum in another order
-(differences of about 1e-6 relative), so fp32 keeps `F.linear` and with it exact
-equality with transformers' `generate()`.
+up to ~2x faster at batch 1-16 in bf16. Results are bit-identical to `F.linear` in bf16
+(and in fp16 on CPUs whose oneDNN computes it; the tests check whichever this CPU
+has); in fp32 oneDNN may sum in another order (differences of about 1e-6 relative), so
+fp32 keeps `F.linear` and with it exact equality with transformers' `generate()`.
 
 `pack_linear_layers` swaps each `nn.Linear` of a model for a `PackedLinear`; the packed
 copy replaces the original weight, which stays alive only where another module shares it
@@ -19,7 +19,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-PACKED_DTYPES = (torch.bfloat16, torch.float16)
+# The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
+# path, for one, needs AVX512-FP16 or AVX-NE-CONVERT and refuses to reorder without).
+SUPPORT_CHECKS = {
+    torch.bfloat16: "_is_mkldnn_bf16_supported",
+    torch.float16: "_is_mkldnn_fp16_supported",
+}
 
 
 class PackedLinear(nn.Module):
@@ -47,13 +52,16 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True on the CPU with oneDNN for the dtypes where packing is exact (see module)."""
-    return (
-        device.type == "cpu"
-        and dtype in PACKED_DTYPES
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-    )
+    """True on the CPU, for the dtypes where packing is exact (see module), when this torch
+    build and this CPU can run oneDNN's linear in that dtype."""
+    if device.type != "cpu" or dtype not in SUPPORT_CHECKS:
+        return False
+    if not torch.backends.mkldnn.is_available():
+        return False
+    mkldnn = torch.ops.mkldnn
+    check = SUPPORT_CHECKS[dtype]
+    required = (check, "_reorder_linear_weight", "_linear_pointwise")
+    return all(hasattr(mkldnn, name) for name in required) and bool(getattr(mkldnn, check)())
 
 
 @torch.inference_mode()

@@ -32,11 +32,22 @@ def test_packed_linear_equals_f_linear_bit_for_bit_in_bf16(rows: int, bias: bool
             assert torch.equal(packed(x), expected)
 
 
-def test_can_pack_only_exact_dtypes_on_the_cpu():
+def test_can_pack_only_exact_dtypes_this_cpu_computes():
     cpu = torch.device("cpu")
-    assert can_pack(cpu, torch.bfloat16) and can_pack(cpu, torch.float16)
+    assert can_pack(cpu, torch.bfloat16) == torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    assert can_pack(cpu, torch.float16) == torch.ops.mkldnn._is_mkldnn_fp16_supported()
     assert not can_pack(cpu, torch.float32)
     assert not can_pack(torch.device("cuda"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_whatever_can_pack_allows_packs_and_runs(dtype: torch.dtype):
+    linear = nn.Linear(64, 32, dtype=dtype)
+    if not can_pack(torch.device("cpu"), dtype):
+        pytest.skip(f"oneDNN cannot compute {dtype} on this CPU")
+    x = torch.randn(3, 64).to(dtype)
+    with torch.inference_mode():
+        assert torch.equal(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
 
 
 def test_packing_a_model_keeps_its_logits(tiny_model_path: Path):
