@@ -52,8 +52,29 @@ class AsyncLLM:
     its stream is removed when its consumer stops, which aborts it if it is unfinished.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
+    engine: LLMEngine  # set by the engine thread before it reports the engine loaded
+
+    def __init__(self, config: EngineConfig) -> None:
+        """Start the engine thread, let it load the model, and return once it is serving.
+
+        Raises what loading raised. Every torch operation of the engine, loading included,
+        runs on that one thread: libgomp gives each thread that starts a parallel region
+        its own pool of workers, and once the pools' threads outnumber the cores it stops
+        spin-waiting between regions, so each of a step's many small regions waits for
+        its workers to wake up (a 2-core decode step took 1.3-1.6x as long).
+        """
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._failure: BaseException | None = None
+        loaded: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(config, loaded), name="pagedserve-engine", daemon=True
+        )
+        self._thread.start()
+        engine = loaded.get()
+        if isinstance(engine, BaseException):
+            self._thread.join()
+            raise engine
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
@@ -62,16 +83,11 @@ class AsyncLLM:
         self.block_size = engine.block_size
         self.dtype = engine.dtype
         self.device = engine.device
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="pagedserve-engine", daemon=True)
-        self._thread.start()
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> AsyncLLM:
-        """Load the model and start the engine thread (blocking: call it off the event loop)."""
-        return cls(LLMEngine(config))
+        """Load the model and start serving (blocking: call it off the event loop)."""
+        return cls(config)
 
     @property
     def is_healthy(self) -> bool:
@@ -123,7 +139,13 @@ class AsyncLLM:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
 
-    def _run(self) -> None:
+    def _run(self, config: EngineConfig, loaded: queue.SimpleQueue) -> None:
+        try:
+            self.engine = LLMEngine(config)
+        except BaseException as exc:
+            loaded.put(exc)
+            return
+        loaded.put(self.engine)
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
