@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 
 from engine.async_llm import AsyncLLM, EngineError
 from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_loader import ModelLoadError
 from engine.sampling_params import SamplingParams
 
 
@@ -108,3 +111,34 @@ def test_invalid_input_raises_before_queueing(llm: AsyncLLM):
 
     asyncio.run(run())
     assert llm.stats().num_waiting == 0
+
+
+def test_the_engine_thread_builds_the_engine(
+    tiny_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+):
+    """All torch work on one thread: a second thread's OpenMP pool slows every step."""
+    built_on: list[str] = []
+    build = LLMEngine.__init__
+
+    def recording_init(self: LLMEngine, config: EngineConfig) -> None:
+        built_on.append(threading.current_thread().name)
+        build(self, config)
+
+    monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    config = EngineConfig(model=str(tiny_model_paths["llama"]), kv_cache_memory="16MiB")
+    llm = AsyncLLM.from_config(config)
+    try:
+        assert built_on == ["pagedserve-engine"]
+        assert llm.is_healthy
+    finally:
+        asyncio.run(llm.shutdown())
+
+
+def test_a_load_failure_is_raised_to_the_caller(tmp_path: Path):
+    def engine_threads() -> int:
+        return sum(t.name == "pagedserve-engine" for t in threading.enumerate())
+
+    before = engine_threads()
+    with pytest.raises(ModelLoadError):
+        AsyncLLM.from_config(EngineConfig(model=str(tmp_path / "no-such-model")))
+    assert engine_threads() == before
