@@ -40,18 +40,16 @@ class Setup:
         self.kv_cache = torch.randn(shape, generator=generator).to(dtype)
         ids = torch.randperm(num_blocks, generator=generator).view(batch, width)
         used = (self.context_lens[:, None] + BLOCK_SIZE - 1) // BLOCK_SIZE
-        # Padding as the model runner pads: block 0, masked out by decode_valid.
+        # Padding as the model runner pads: block 0, masked out past each context length.
         self.block_tables = torch.where(torch.arange(width)[None, :] < used, ids, 0)
         self.q = torch.randn(batch, NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
         self.scale = HEAD_DIM**-0.5
-        positions = torch.arange(width * BLOCK_SIZE)
         self.metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=torch.empty(0, dtype=torch.int64),
             decode_token_index=torch.arange(batch),
             decode_block_tables=self.block_tables,
             decode_context_lens=self.context_lens,
-            decode_valid=positions[None, :] < self.context_lens[:, None],
             prefills=[],
         )
         token_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * self.kv_cache.element_size()

@@ -78,7 +78,6 @@ class AsyncLLM:
         self.tokenizer = engine.tokenizer
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
-        self.config = engine.config
         self.num_kv_blocks = engine.num_kv_blocks
         self.block_size = engine.block_size
         self.dtype = engine.dtype
@@ -92,6 +91,9 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self._failure is None
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return self.engine.tokenize(prompt)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self.engine.validate(prompt_token_ids, params)
@@ -112,7 +114,7 @@ class AsyncLLM:
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.engine.tokenize(prompt)
+        token_ids = self.tokenize(prompt)
         self.engine.validate(token_ids, params)
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), outputs)

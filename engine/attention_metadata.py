@@ -25,9 +25,8 @@ class PagedAttentionMetadata:
 
     Invariants: `slot_mapping[i]` is the KV slot of packed token i; decode rows are
     sequences with exactly one query token, `decode_block_tables[b]` lists row b's blocks
-    (padded with block 0), `decode_context_lens[b]` is its context length and
-    `decode_valid[b, s]` is True for its first `decode_context_lens[b]` positions only;
-    every other sequence of the step appears once in `prefills`.
+    (padded with block 0) and `decode_context_lens[b]` is its context length; every
+    other sequence of the step appears once in `prefills`.
     """
 
     kv_cache: torch.Tensor
@@ -35,5 +34,4 @@ class PagedAttentionMetadata:
     decode_token_index: torch.Tensor
     decode_block_tables: torch.Tensor
     decode_context_lens: torch.Tensor
-    decode_valid: torch.Tensor
     prefills: list[PrefillChunk]

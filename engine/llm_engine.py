@@ -260,7 +260,7 @@ class LLMEngine:
             sample = self._samples[seq.seq_id]
             state = self._requests[seq.request_id]
             token, logprobs = sampled[seq.seq_id]
-            reason = state.on_token(sample, token, logprobs, self.max_model_len)
+            reason = state.on_token(sample, token, logprobs)
             if reason is not None:
                 self.scheduler.finish(seq, reason)
             touched[state.request_id] = state

@@ -90,11 +90,9 @@ class ModelRunner:
         for row, chunk in enumerate(decodes):
             used = -(-(chunk.start + 1) // self.block_size)
             tables[row, :used] = chunk.block_table[:used]
-        valid = np.arange(width * self.block_size)[None, :] < context_lens[:, None]
         return {
             "decode_block_tables": self._tensor(tables),
             "decode_context_lens": self._tensor(context_lens),
-            "decode_valid": self._tensor(valid),
         }
 
     def _tensor(self, array: np.ndarray) -> torch.Tensor:

@@ -103,7 +103,8 @@ def _decode_attention(
     values = v_cache[meta.decode_block_tables].flatten(1, 2)
     grouped = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bhgd,bshd->bhgs", grouped, keys).float() * scale
-    scores.masked_fill_(~meta.decode_valid[:, None, None, :], float("-inf"))
+    padding = torch.arange(keys.shape[1], device=q.device) >= meta.decode_context_lens[:, None]
+    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
     probs = scores.softmax(dim=-1).to(values.dtype)
     return torch.einsum("bhgs,bshd->bhgd", probs, values).reshape(rows, num_heads, head_dim)
 

@@ -66,7 +66,6 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
-    max_tokens: int
     eos_token_ids: frozenset[int]
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None
@@ -83,7 +82,7 @@ class RequestState:
         tokenizer: PreTrainedTokenizerBase,
         device: torch.device,
     ) -> RequestState:
-        state = cls(request_id, prompt, prompt_token_ids, params, max_tokens, eos_token_ids)
+        state = cls(request_id, prompt, prompt_token_ids, params, eos_token_ids)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}-{index}"
             seq = Sequence(seq_id, request_id, prompt_token_ids, max_tokens, index=index)
@@ -109,14 +108,15 @@ class RequestState:
         return all(sample.seq.is_finished for sample in self.samples)
 
     def on_token(
-        self, sample: SampleState, token_id: int, logprobs: TokenLogprobs | None, max_model_len: int
+        self, sample: SampleState, token_id: int, logprobs: TokenLogprobs | None
     ) -> FinishReason | None:
         """Account for the token just appended to `sample.seq`; return why it ends, or None.
 
         EOS (unless `ignore_eos`) and `stop_token_ids` end a sample without adding their
         text (the sampler keeps them out before `min_tokens`); a stop string ends it with
         the text cut before the stop (kept with `include_stop_str_in_output`); reaching
-        `max_tokens` or `max_model_len` ends it with "length".
+        the sequence's `max_tokens` ends it with "length" (the engine sets it so that the
+        sequence never outgrows `max_model_len`).
         """
         seq = sample.seq
         if sample.logprobs is not None and logprobs is not None:
@@ -132,7 +132,7 @@ class RequestState:
             if matched is not None:
                 sample.stop_reason = matched
                 return "stop"
-            if seq.num_output_tokens >= self.max_tokens or seq.num_tokens >= max_model_len:
+            if seq.num_output_tokens >= seq.max_tokens:
                 reason = "length"
         if reason is not None:
             # The detokenizer may hold back an incomplete character; the text ends here.

@@ -79,9 +79,3 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
-
-    @property
-    def is_prefill(self) -> bool:
-        """More than one token awaits computation (a prompt, or a recompute after
-        preemption); a decode computes exactly the last sampled token."""
-        return self.num_tokens - self.num_computed_tokens > 1

@@ -19,7 +19,7 @@ from server.auth import require_api_key
 from server.disconnect import cancel_on_disconnect
 from server.errors import engine_failure, error_body, invalid_request, user_errors
 from server.errors import request_id as http_request_id
-from server.generation import count_usage, encode, final_outputs, generate, new_request_id
+from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.logprobs import CompletionLogprobsFormatter
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from server.sampling import sampling_params
@@ -44,7 +44,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS):
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-        prompts = [encode(llm, prompt) for prompt in body.prompt]
+        prompts = [llm.tokenize(prompt) for prompt in body.prompt]
         for prompt_ids in prompts:
             llm.validate(prompt_ids, params)
     if body.echo:

@@ -26,11 +26,6 @@ def new_request_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def encode(llm: AsyncLLM, prompt: str | list[int]) -> list[int]:
-    """Token ids of a prompt as the engine would tokenize it (special tokens included)."""
-    return prompt if isinstance(prompt, list) else llm.tokenizer.encode(prompt)
-
-
 async def generate(
     state: ServerState,
     llm: AsyncLLM,

@@ -183,15 +183,12 @@ def test_matches_the_torch_decode_path(dtype: torch.dtype) -> None:
     case = make_case(LENGTHS, 9, 3, 64, 16, dtype)
     kv_cache = torch.nan_to_num(case.kv_cache)  # the torch path reads the padding slots
     k_cache, v_cache = kv_cache[1]
-    width = case.block_tables.shape[1]
-    positions = torch.arange(width * 16)
     metadata = PagedAttentionMetadata(
         kv_cache=kv_cache,
         slot_mapping=torch.empty(0, dtype=torch.int64),
         decode_token_index=torch.arange(len(LENGTHS)),
         decode_block_tables=case.block_tables.clamp(max=kv_cache.shape[2] - 1),
         decode_context_lens=case.context_lens,
-        decode_valid=positions[None, :] < case.context_lens[:, None],
         prefills=[],
     )
     expected = _decode_attention(case.q, k_cache, v_cache, metadata, case.scale)
