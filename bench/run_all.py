@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from bench.tables import free_port
+from bench.tables import free_port, positive_ints
 
 READY_TIMEOUT = 600.0  # the first start converts the default model
 STOP_TIMEOUT = 60.0
@@ -110,7 +110,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         description="Offline throughput and HTTP serving benchmarks of pagedserve, compared.",
     )
     parser.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
-    parser.add_argument("--concurrency", default="1,8,32", help="bench.serve's levels")
+    parser.add_argument(
+        "--concurrency", type=positive_ints, default=[1, 8, 32], help="bench.serve's levels"
+    )
     parser.add_argument(
         "--throughput-args",
         type=shlex.split,
@@ -132,7 +134,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     offline = json.loads(offline_json.read_text())
     workload = offline["workload"]
-    concurrency = max(int(level) for level in args.concurrency.split(","))
+    concurrency = max(args.concurrency)
     matched_table = run_module(
         "bench.throughput", *args.throughput_args, "--engines=pagedserve",
         f"--max-num-seqs={concurrency}", "--json", str(matched_json),
@@ -146,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         serving_table = run_module(
             "bench.serve",
             f"--url=http://127.0.0.1:{port}",
-            f"--concurrency={args.concurrency}",
+            f"--concurrency={','.join(map(str, args.concurrency))}",
             f"--max-tokens={workload['output_len']}",
             f"--prompt-words={prompt_words}",
             "--ignore-eos",

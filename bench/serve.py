@@ -32,7 +32,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from bench.tables import format_table
+from bench.tables import format_table, positive_ints
 
 _COMMON_WORDS = (
     "time year people way day man thing woman life child world school state family student "
@@ -306,18 +306,8 @@ def write_plot(path: Path, model: str, reports: Sequence[LevelReport]) -> None:
     plt.close(figure)
 
 
-def _positive_ints(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        values = []
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
-    return values
-
-
 def _positive_int(text: str) -> int:
-    (value,) = _positive_ints(text)
+    (value,) = positive_ints(text)
     return value
 
 
@@ -329,7 +319,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model name; default: the first of /v1/models")
     parser.add_argument(
-        "--concurrency", type=_positive_ints, default=[1, 8, 32], help="levels, e.g. 1,8,32"
+        "--concurrency", type=positive_ints, default=[1, 8, 32], help="levels, e.g. 1,8,32"
     )
     parser.add_argument(
         "--num-requests", type=_positive_int, help="requests per level; default: max(2c, 8)"

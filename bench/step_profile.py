@@ -36,7 +36,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import throughput
-from bench.tables import format_table
+from bench.tables import format_table, positive_ints
 from bench.workloads import ordinary_token_ids, random_workload
 from engine import LLM, SamplingParams
 from engine.device import resolve_device, resolve_dtype
@@ -295,7 +295,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "sampling and scheduling/input preparation (medians).",
     )
     parser.add_argument(
-        "--batch-sizes", type=_int_list, default=[32, 128], help="comma list (32,128)"
+        "--batch-sizes", type=positive_ints, default=[32, 128], help="comma list (32,128)"
     )
     parser.add_argument("--context", type=int, default=300, help="prompt tokens per request")
     parser.add_argument("--steps", type=int, default=5, help="timed decode steps per batch")
@@ -308,18 +308,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        values = [int(part) for part in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected comma-separated integers, got {text!r}"
-        ) from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be positive, got {text!r}")
-    return values
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -1,7 +1,8 @@
-"""Plain-text tables and free ports, shared by the benchmarks (no torch imported here)."""
+"""Plain-text tables, free ports and comma lists, shared by the benchmarks (no torch)."""
 
 from __future__ import annotations
 
+import argparse
 import socket
 from collections.abc import Sequence
 
@@ -25,3 +26,14 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def positive_ints(text: str) -> list[int]:
+    """An argparse type: comma-separated positive integers such as "1,8,32"."""
+    try:
+        values = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
+    return values

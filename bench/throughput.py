@@ -351,18 +351,21 @@ def _ratio(numerator: float | None, denominator: float | None) -> float:
     return numerator / denominator
 
 
+# The columns every report starts with, and their cells for one run.
+RUN_HEADERS = ["engine", "requests", "output tokens", "time s", "output tok/s"]
+
+
+def _run_cells(r: RunResult) -> list[str]:
+    return [
+        r.engine, str(r.requests), str(r.output_tokens), f"{r.seconds:.1f}",
+        f"{r.tokens_per_second:.1f}",
+    ]  # fmt: skip
+
+
 def w1_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
-    headers = ["engine", "requests", "output tokens", "time s", "output tok/s", f"vs {BASELINE}"]
+    headers = [*RUN_HEADERS, f"vs {BASELINE}"]
     rows = [
-        [
-            r.engine,
-            str(r.requests),
-            str(r.output_tokens),
-            f"{r.seconds:.1f}",
-            f"{r.tokens_per_second:.1f}",
-            f"{ratios[r.engine]:.2f}x" if r.engine in ratios else "-",
-        ]
-        for r in results
+        [*_run_cells(r), f"{ratios[r.engine]:.2f}x" if r.engine in ratios else "-"] for r in results
     ]
     lines = [format_table(headers, rows)]
     lines += [
@@ -374,23 +377,14 @@ def w1_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
 
 
 def shared_prefix_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
-    headers = [
-        "engine", "requests", "output tokens", "time s", "output tok/s",
-        "TTFT mean ms", "TTFT median ms", "cached prompt tokens",
-    ]  # fmt: skip
+    headers = [*RUN_HEADERS, "TTFT mean ms", "TTFT median ms", "cached prompt tokens"]
     rows = [
         [
-            r.engine,
-            str(r.requests),
-            str(r.output_tokens),
-            f"{r.seconds:.1f}",
-            f"{r.tokens_per_second:.1f}",
-            f"{r.ttft_mean_ms:.0f}",
-            f"{r.ttft_median_ms:.0f}",
+            *_run_cells(r), f"{r.ttft_mean_ms:.0f}", f"{r.ttft_median_ms:.0f}",
             str(r.cached_prompt_tokens),
         ]
         for r in results
-    ]
+    ]  # fmt: skip
     return "\n".join(
         [
             format_table(headers, rows),
