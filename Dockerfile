@@ -57,7 +57,7 @@ RUN pip install --no-deps /build
 # The kernel is built with -march=native for the CPU of the machine building the image; the
 # runtime stage loads it without a compiler. On a different CPU its folder name (a hash
 # of the CPU flags) does not match: the server logs one warning and decodes with torch.
-RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.kernels.decode_attention \
+RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.decode_attention \
 import load_decode_kernel; assert load_decode_kernel() is not None"
 
 FROM base
@@ -78,7 +78,7 @@ ENV PATH=/opt/pagedserve/bin:$PATH \
 USER 10001:10001
 WORKDIR /home/pagedserve
 # Converted once here, so the container serves the default model from its first second.
-RUN python -c "from engine.model_loader import convert_gguf, default_gguf_path; \
+RUN python -c "from engine.model.loader import convert_gguf, default_gguf_path; \
 convert_gguf(default_gguf_path())"
 VOLUME ["/models"]
 EXPOSE 8000

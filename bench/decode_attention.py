@@ -19,9 +19,9 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention_metadata import PagedAttentionMetadata
-from engine.kernels.decode_attention import KernelUnavailableError, paged_decode_attention
-from engine.paged_attention import _decode_attention
+from engine.model.attention import _decode_attention
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels.decode_attention import KernelUnavailableError, paged_decode_attention
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16
 CONTEXT_RANGE = (250, 350)

@@ -42,9 +42,9 @@ from bench.workloads import Workload, ordinary_token_ids, random_workload, share
 from cache import bytes_per_block
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, load_config
-from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVLayout
-from engine.model_loader import LoadedModel, load_model, resolve_model_folder
+from engine.model.device import resolve_device, resolve_dtype
+from engine.model.kv_cache import KVLayout
+from engine.model.loader import LoadedModel, load_model, resolve_model_folder
 
 logger = logging.getLogger("bench.throughput")
 

@@ -12,14 +12,14 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.llm import LLM
     from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
 _EXPORTS = {
     "LLM": "engine.llm",
     "CompletionOutput": "engine.outputs",
     "RequestOutput": "engine.outputs",
     "TokenLogprobs": "engine.outputs",
-    "SamplingParams": "engine.sampling_params",
+    "SamplingParams": "engine.sampling.params",
 }
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "TokenLogprobs"]
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 

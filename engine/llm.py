@@ -12,7 +12,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from engine.config import EngineConfig, load_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]

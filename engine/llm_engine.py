@@ -10,16 +10,16 @@ import torch
 
 from cache import BlockManager, bytes_per_block, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
-from engine.device import resolve_device, resolve_dtype
-from engine.kv_cache import KVLayout, allocate_kv_cache
-from engine.model_loader import load_model
-from engine.model_runner import ModelRunner, SequenceChunk
+from engine.model.attention import check_model_supported, register_paged_attention
+from engine.model.device import resolve_device, resolve_dtype
+from engine.model.kv_cache import KVLayout, allocate_kv_cache
+from engine.model.loader import load_model
+from engine.model.packed_linear import can_pack, pack_linear_layers
+from engine.model.runner import ModelRunner, SequenceChunk
 from engine.outputs import RequestOutput, TokenLogprobs
-from engine.packed_linear import can_pack, pack_linear_layers
-from engine.paged_attention import check_model_supported, register_paged_attention
-from engine.request_state import RequestState, SampleState
-from engine.sampler import Sampler
-from engine.sampling_params import SamplingParams
+from engine.request.state import RequestState, SampleState
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import Sampler
 from scheduler import Scheduler, SchedulerOutput
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ class TokenLogprobs:
     `logprob` is the chosen token's; `top` holds the `SamplingParams.logprobs` most likely
     tokens as (token_id, logprob), most likely first (it may or may not contain the chosen
     token). All values come from the model's raw distribution, before penalties,
-    temperature and truncation (see `engine.sampler`).
+    temperature and truncation (see `engine.sampling.sampler`).
     """
 
     token_id: int

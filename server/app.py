@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from cache import InsufficientKVCacheError
 from engine.async_llm import AsyncLLM
 from engine.config import ConfigError, EngineConfig
-from engine.model_loader import ModelLoadError
+from engine.model.loader import ModelLoadError
 from server import chat, completions, info
 from server.config import ServeConfig
 from server.errors import install_error_handlers

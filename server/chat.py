@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput, TokenLogprobs
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 _FIELDS = set(ChatCompletionRequest.model_fields)

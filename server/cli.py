@@ -76,7 +76,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     # torch and transformers load only once the settings are known good, so that a bad
     # setting is reported at once.
-    from engine.model_loader import ModelLoadError, resolve_model_folder
+    from engine.model.loader import ModelLoadError, resolve_model_folder
 
     try:
         # Fail before the server starts for the common mistake of a wrong model path; the

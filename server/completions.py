@@ -29,7 +29,7 @@ from server.streaming import DONE, SSEResponse, sse
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import CompletionOutput, RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 _FIELDS = set(CompletionRequest.model_fields)

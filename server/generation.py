@@ -18,7 +18,7 @@ from server.state import ServerState
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput
-    from engine.sampling_params import SamplingParams
+    from engine.sampling.params import SamplingParams
 
 
 def new_request_id(prefix: str) -> str:

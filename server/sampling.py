@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 from server.protocol import SamplingRequest
 
 # Request fields that carry over to SamplingParams under the same name.

@@ -29,7 +29,7 @@ def default_model():
     """The real default model (SmolLM2-135M-Instruct), fp32 on the CPU, loaded once."""
     import torch
 
-    from engine.model_loader import load_model
+    from engine.model.loader import load_model
 
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
 

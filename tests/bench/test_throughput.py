@@ -12,7 +12,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import step_profile, throughput
 from bench.workloads import ordinary_token_ids, random_workload, shared_prefix_workload
-from engine.paged_attention import ATTN_IMPLEMENTATION_CPP, paged_attention_forward
+from engine.model.attention import ATTN_IMPLEMENTATION_CPP, paged_attention_forward
 
 
 @pytest.fixture(scope="module")

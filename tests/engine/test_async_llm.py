@@ -11,8 +11,8 @@ import pytest
 from engine.async_llm import AsyncLLM, EngineError
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_loader import ModelLoadError
-from engine.sampling_params import SamplingParams
+from engine.model.loader import ModelLoadError
+from engine.sampling.params import SamplingParams
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.attention_metadata import PagedAttentionMetadata
-from engine.kernels import decode_attention
-from engine.kernels.decode_attention import (
+from engine.model.attention import _decode_attention
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels import decode_attention
+from engine.model.kernels.decode_attention import (
     KernelUnavailableError,
     load_decode_kernel,
     paged_decode_attention,
     supports,
 )
-from engine.paged_attention import _decode_attention
 
 # With 16-token blocks: one token, a block minus one, a full block, one past it, and two
 # partial third and fifth blocks.
@@ -269,7 +269,8 @@ def test_a_stamped_library_loads_without_a_compiler(
     shutil.copytree(built, tmp_path / "kernels" / built.name)
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": "no-such-compiler-pagedserve"}
     check = (
-        "import torch; from engine.kernels.decode_attention import paged_decode_attention as f; "
+        "import torch; "
+        "from engine.model.kernels.decode_attention import paged_decode_attention as f; "
         "c = torch.ones(2, 16, 1, 32); "
         "out = f(torch.ones(1, 2, 32), c, c * 3, torch.tensor([[1]]), torch.tensor([5]), 1.0); "
         "assert torch.equal(out, torch.full((1, 2, 32), 3.0)), out"

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.request.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
 from tests.tiny_models import build_tokenizer
 
 MULTI_BYTE = "é東京😀—"
@@ -56,7 +56,7 @@ def byte_level_tokenizer(
 ) -> PreTrainedTokenizerFast:
     if request.param == "tiny":
         return build_tokenizer(Path(tmp_path_factory.mktemp("tokenizer")))
-    from engine.model_loader import resolve_model_folder
+    from engine.model.loader import resolve_model_folder
 
     return AutoTokenizer.from_pretrained(resolve_model_folder("default")[0])
 

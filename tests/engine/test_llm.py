@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.paged_attention import ATTN_IMPLEMENTATION_CPP, UnsupportedModelError
+from engine.model.attention import ATTN_IMPLEMENTATION_CPP, UnsupportedModelError
 
 
 @pytest.fixture(scope="module")

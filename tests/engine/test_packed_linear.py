@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 
 import engine.llm_engine
 from engine import LLM, SamplingParams
-from engine.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 requires_bf16_packing = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16),

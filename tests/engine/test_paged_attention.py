@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.paged_attention import _attend_causal
+from engine.model.attention import _attend_causal
 
 
 def reference_attention(q, keys, values, scale, group_size):

@@ -8,14 +8,14 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from engine import sampler as sampler_module
-from engine.sampler import (
+from engine.sampling import sampler as sampler_module
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import (
     Sampler,
     SamplingRow,
     apply_penalties,
     seeded_generator,
 )
-from engine.sampling_params import SamplingParams
 
 EOS = 3
 VOCAB = 64

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.sampling_params import SamplingParams
+from engine.sampling.params import SamplingParams
 
 # Top-p looks for a row's nucleus among this many most likely tokens, then among more,
 # before sorting the whole vocabulary (see `_top_p`).

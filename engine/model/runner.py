@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from engine.attention_metadata import PagedAttentionMetadata, PrefillChunk
+from engine.model.attention_metadata import PagedAttentionMetadata, PrefillChunk
 
 
 @dataclass(slots=True)

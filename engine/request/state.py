@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from engine.detokenizer import IncrementalDetokenizer
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
-from engine.sampler import SamplingRow, seeded_generator
-from engine.sampling_params import SamplingParams
-from engine.stop_checker import StopChecker
+from engine.request.detokenizer import IncrementalDetokenizer
+from engine.request.stop_checker import StopChecker
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import SamplingRow, seeded_generator
 from scheduler import FinishReason, Sequence
 
 

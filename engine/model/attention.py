@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
-from engine.attention_metadata import PagedAttentionMetadata
-from engine.kernels.decode_attention import DecodeKernel, load_decode_kernel, supports
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels.decode_attention import DecodeKernel, load_decode_kernel, supports
 
 ATTN_IMPLEMENTATION = "pagedserve"
 # Decode rows through the C++ kernel; a name of its own so both backends can coexist.

@@ -1,0 +1,1 @@
+"""Model execution: loading, packing, the paged KV tensor and attention, the model runner."""

@@ -1,0 +1,1 @@
+"""Sampling: per-request parameters and the batched sampler."""
