@@ -147,10 +147,10 @@ def fill_until_decoding(engine: LLMEngine, prompts: Sequence[list[int]], prefix:
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     generated = {f"{prefix}-{i}": 0 for i in range(len(prompts))}
     for request_id, prompt in zip(generated, prompts, strict=True):
-        engine.add_request(request_id, prompt, params)
+        engine.add_request(request_id, engine.processor.from_prompt(prompt, params))
     while min(generated.values()) == 0:
         for output in engine.step():
-            generated[output.request_id] = len(output.outputs[0].token_ids)
+            generated[output.request_id] += len(output.outputs[0].token_ids)
     return statistics.mean(len(p) + generated[r] for r, p in zip(generated, prompts, strict=True))
 
 

@@ -1,7 +1,7 @@
 """KV-cache block manager: block pool, free queue, prefix cache, profiling."""
 
-from cache.block import KVCacheBlock
-from cache.block_hash import hash_block
+from cache.block import KVCacheBlock, cdiv
+from cache.block_hash import extend_block_hashes, hash_block
 from cache.block_manager import AllocStatus, BlockManager
 from cache.free_queue import FreeBlockQueue
 from cache.profiling import (
@@ -22,6 +22,8 @@ __all__ = [
     "InsufficientKVCacheError",
     "KVCacheBlock",
     "bytes_per_block",
+    "cdiv",
+    "extend_block_hashes",
     "hash_block",
     "kv_cache_bytes_cpu",
     "kv_cache_bytes_cuda",

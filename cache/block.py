@@ -5,6 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+def cdiv(numerator: int, denominator: int) -> int:
+    """Ceiling division: `cdiv(num_tokens, block_size)` blocks hold `num_tokens` tokens."""
+    return -(-numerator // denominator)
+
+
 @dataclass(slots=True, eq=False)
 class KVCacheBlock:
     """Bookkeeping for one block of `block_size` KV slots; the KV itself lives in the engine.

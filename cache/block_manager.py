@@ -6,8 +6,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cache.block import KVCacheBlock
-from cache.block_hash import hash_block
+from cache.block import KVCacheBlock, cdiv
+from cache.block_hash import extend_block_hashes
 from cache.free_queue import FreeBlockQueue
 from cache.stats import CacheStats
 
@@ -28,14 +28,13 @@ class _SeqBlocks:
     """One sequence's block table and how far `cache_full_blocks` has got through it.
 
     Invariants: each of `blocks[:num_hashed]` was a prefix hit, got registered, or was found
-    to duplicate a registered block; `prefix_hash` is the chained hash of their tokens (None
-    while `num_hashed == 0`) and `prefix_id` names that token prefix, or is None once a hash
-    collision left the prefix without an id, which ends registration for this sequence.
+    to duplicate a registered block; `prefix_id` names the token prefix they hold, or is
+    None once a hash collision left the prefix without an id, which ends registration for
+    this sequence.
     """
 
     blocks: list[KVCacheBlock]
     num_hashed: int = 0
-    prefix_hash: int | None = None
     prefix_id: int | None = _EMPTY_PREFIX
 
 
@@ -53,6 +52,11 @@ class BlockManager:
     - `_num_cached_free` is the number of free blocks that are registered.
     - Prefix ids are never reused, so a hit, confirmed by tokens and parent prefix id, always
       holds exactly the KV of the requested prefix, whatever the hash function returns.
+
+    `block_hashes` arguments are the chained hashes of the full blocks of `token_ids`, as
+    `extend_block_hashes` computes them (they may run ahead of what a call needs). A caller
+    that keeps them across calls, as the scheduler does on each sequence, hashes every
+    block once; left out, the call hashes what it needs itself.
     """
 
     def __init__(
@@ -85,19 +89,24 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         return len(self._free)
 
-    def can_allocate(self, token_ids: Sequence[int]) -> AllocStatus:
+    def can_allocate(
+        self, token_ids: Sequence[int], block_hashes: list[int] | None = None
+    ) -> AllocStatus:
         """Whether `allocate(token_ids)` fits now, keeping `watermark_blocks` free."""
-        num_needed = self._num_blocks_for(len(token_ids))
+        num_needed = cdiv(len(token_ids), self.block_size)
         if num_needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         # Hit blocks in use cost nothing; free ones are revived off the free queue, so they
         # count like new blocks.
-        num_shared = sum(1 for block in self._find_cached_prefix(token_ids) if block.ref_count)
+        hits = self._find_cached_prefix(token_ids, block_hashes)
+        num_shared = sum(1 for block in hits if block.ref_count)
         if len(self._free) - (num_needed - num_shared) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_id: str, token_ids: Sequence[int]) -> int:
+    def allocate(
+        self, seq_id: str, token_ids: Sequence[int], block_hashes: list[int] | None = None
+    ) -> int:
         """Give `seq_id` blocks for all of `token_ids`; return how many tokens were cached.
 
         The cached count is a multiple of `block_size` and less than `len(token_ids)`.
@@ -106,8 +115,8 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        hits = self._find_cached_prefix(token_ids)
-        num_new = self._num_blocks_for(len(token_ids)) - len(hits)
+        hits = self._find_cached_prefix(token_ids, block_hashes)
+        num_new = cdiv(len(token_ids), self.block_size) - len(hits)
         num_revived = sum(1 for block in hits if block.ref_count == 0)
         if num_new + num_revived > len(self._free):
             raise RuntimeError(
@@ -122,7 +131,6 @@ class BlockManager:
             block.ref_count += 1
         seq = _SeqBlocks(blocks=hits + self._take_free(num_new), num_hashed=len(hits))
         if hits:
-            seq.prefix_hash = hits[-1].block_hash
             seq.prefix_id = hits[-1].prefix_id
         self._seqs[seq_id] = seq
         num_cached_tokens = len(hits) * self.block_size
@@ -131,19 +139,29 @@ class BlockManager:
             self._prefix_hits += num_cached_tokens
         return num_cached_tokens
 
-    def grow(self, seq_id: str, num_tokens: int) -> bool:
-        """Make room for `num_tokens` slots in total; False (and no change) if blocks run out.
+    def grow(self, seq_id: str, num_tokens: int) -> list[int] | None:
+        """Make room for `num_tokens` slots in total and return the ids of the blocks this
+        added (often none); None, and no change, if the free blocks do not suffice.
 
         No watermark applies: the reserve exists so that running sequences can grow.
         """
         seq = self._seqs[seq_id]
-        num_new = self._num_blocks_for(num_tokens) - len(seq.blocks)
+        num_new = cdiv(num_tokens, self.block_size) - len(seq.blocks)
+        if num_new <= 0:
+            return []
         if num_new > len(self._free):
-            return False
-        seq.blocks.extend(self._take_free(num_new))
-        return True
+            return None
+        new_blocks = self._take_free(num_new)
+        seq.blocks.extend(new_blocks)
+        return [block.block_id for block in new_blocks]
 
-    def cache_full_blocks(self, seq_id: str, token_ids: Sequence[int], num_tokens: int) -> None:
+    def cache_full_blocks(
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        num_tokens: int,
+        block_hashes: list[int] | None = None,
+    ) -> None:
         """Register the blocks of `seq_id` fully covered by the first `num_tokens` tokens.
 
         Call it when those tokens' KV is (or, within the current step, will be) written, so
@@ -161,10 +179,13 @@ class BlockManager:
                 f"{len(token_ids)} tokens and {len(seq.blocks)} blocks"
             )
         size = self.block_size
+        if seq.num_hashed >= num_tokens // size or seq.prefix_id is None:
+            return
+        hashes = self._hashes(token_ids[:num_tokens], block_hashes)
         while seq.num_hashed < num_tokens // size and seq.prefix_id is not None:
             start = seq.num_hashed * size
             tokens = tuple(token_ids[start : start + size])
-            block_hash = hash_block(seq.prefix_hash, tokens)
+            block_hash = hashes[seq.num_hashed]
             existing = self._cached.get(block_hash)
             prefix_id: int | None
             if existing is None:
@@ -183,7 +204,6 @@ class BlockManager:
             else:
                 prefix_id = None
             seq.num_hashed += 1
-            seq.prefix_hash = block_hash
             seq.prefix_id = prefix_id
 
     def free(self, seq_id: str) -> None:
@@ -218,7 +238,6 @@ class BlockManager:
         self._num_cached_free = 0
         for seq in self._seqs.values():
             seq.num_hashed = 0
-            seq.prefix_hash = None
             seq.prefix_id = _EMPTY_PREFIX
 
     def stats(self) -> CacheStats:
@@ -235,30 +254,41 @@ class BlockManager:
             evictions=self._evictions,
         )
 
-    def _num_blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+    def _hashes(self, token_ids: Sequence[int], block_hashes: list[int] | None) -> list[int]:
+        """The chained hashes of the full blocks of `token_ids` (at least), hashing only
+        what `block_hashes` does not already hold."""
+        if block_hashes is None:
+            block_hashes = []
+        if len(block_hashes) < len(token_ids) // self.block_size:
+            extend_block_hashes(block_hashes, token_ids, self.block_size)
+        return block_hashes
 
-    def _find_cached_prefix(self, token_ids: Sequence[int]) -> list[KVCacheBlock]:
+    def _find_cached_prefix(
+        self, token_ids: Sequence[int], block_hashes: list[int] | None
+    ) -> list[KVCacheBlock]:
         """Registered blocks holding the longest run of full blocks of `token_ids[:-1]`.
 
         The last token is left out so that a fully cached prompt still computes one token
         and yields logits, and so that no shared block is ever written to.
         """
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not self._cached:
             return []
-        hits: list[KVCacheBlock] = []
-        parent_hash: int | None = None
-        parent_id: int | None = _EMPTY_PREFIX
         size = self.block_size
-        for start in range(0, len(token_ids) - size, size):
-            tokens = tuple(token_ids[start : start + size])
-            block_hash = hash_block(parent_hash, tokens)
-            block = self._cached.get(block_hash)
+        num_candidates = (len(token_ids) - 1) // size
+        hashes = self._hashes(token_ids[: num_candidates * size], block_hashes)
+        hits: list[KVCacheBlock] = []
+        parent_id: int | None = _EMPTY_PREFIX
+        for index in range(num_candidates):
+            block = self._cached.get(hashes[index])
+            if block is None:
+                break
             # The hash only finds a candidate; tokens and parent prefix id confirm it.
-            if block is None or block.token_ids != tokens or block.parent_prefix_id != parent_id:
+            start = index * size
+            if block.token_ids != tuple(token_ids[start : start + size]):
+                break
+            if block.parent_prefix_id != parent_id:
                 break
             hits.append(block)
-            parent_hash = block_hash
             parent_id = block.prefix_id
         return hits
 

@@ -12,6 +12,8 @@ from collections.abc import Callable, Mapping
 
 import psutil
 
+from cache.block import cdiv
+
 
 class InsufficientKVCacheError(RuntimeError):
     """Not even one `max_model_len` sequence fits; the message names the setting to change."""
@@ -100,7 +102,7 @@ def num_kv_blocks(
     budget = profiled if kv_cache_memory is None else min(kv_cache_memory, profiled)
     capped = budget < profiled
     num_blocks = budget // block_bytes
-    num_required = -(-max_model_len // block_size)
+    num_required = cdiv(max_model_len, block_size)
     if num_blocks - int(watermark * num_blocks) >= num_required:
         return num_blocks
     if capped:

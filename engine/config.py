@@ -49,6 +49,12 @@ class EngineConfig(BaseModel):
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
 
 
+def cache_root() -> Path:
+    """Where converted models and built kernels are kept: `$PAGEDSERVE_CACHE`, by default
+    `~/.cache/pagedserve`."""
+    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
+
+
 def load_config(
     cls: type[ConfigT],
     path: str | Path | None = None,

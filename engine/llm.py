@@ -12,10 +12,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from engine.config import EngineConfig, load_config
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
+from engine.request.intake import EngineRequest, Message, Prompt, as_prompt_list
 from engine.sampling.params import SamplingParams
-
-Prompt = str | list[int]
-Message = dict[str, Any]
 
 
 class LLM:
@@ -35,29 +33,21 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """One finished `RequestOutput` per prompt, in the order given.
+        """One finished `RequestOutput` per prompt, in the order given, with the whole text,
+        token ids and logprobs of each sample.
 
         `prompts` is a string, a list of token ids, or a list of either; `sampling_params`
-        one for all prompts or one per prompt (default: `SamplingParams()`).
+        one for all prompts or one per prompt (default: `SamplingParams()`). Every prompt is
+        checked before any runs: one invalid prompt raises ValueError and runs nothing.
         """
-        batch = _as_prompt_list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            params_list = [sampling_params] * len(batch)
-        else:
-            params_list = list(sampling_params)
-            if len(params_list) != len(batch):
-                raise ValueError(f"got {len(params_list)} sampling params for {len(batch)} prompts")
-        request_ids = []
-        for prompt, params in zip(batch, params_list, strict=True):
-            request_id = str(next(self._ids))
-            token_ids = self.engine.tokenize(prompt)
-            self.engine.add_request(
-                request_id, token_ids, params, prompt if isinstance(prompt, str) else None
-            )
-            request_ids.append(request_id)
-        return self._run(request_ids, use_tqdm)
+        batch = as_prompt_list(prompts, mixed=True)
+        params_list = self._params_per_prompt(sampling_params, len(batch))
+        processor = self.engine.processor
+        requests = [
+            processor.from_prompt(prompt, params)
+            for prompt, params in zip(batch, params_list, strict=True)
+        ]
+        return self._run(requests, use_tqdm)
 
     def chat(
         self,
@@ -67,35 +57,43 @@ class LLM:
     ) -> list[RequestOutput]:
         """Render each conversation with the tokenizer's chat template, then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = [
-            list(
-                self.engine.tokenizer.apply_chat_template(
-                    conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
-            for conversation in conversations
+        params_list = self._params_per_prompt(sampling_params, len(conversations))
+        processor = self.engine.processor
+        requests = [
+            processor.from_chat(conversation, params)  # type: ignore[arg-type]
+            for conversation, params in zip(conversations, params_list, strict=True)
         ]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self._run(requests, use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        finished: dict[str, RequestOutput] = {}
+    @staticmethod
+    def _params_per_prompt(
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params_list = list(sampling_params)
+        if len(params_list) != count:
+            raise ValueError(f"got {len(params_list)} sampling params for {count} prompts")
+        return params_list
+
+    def _run(self, requests: list[EngineRequest], use_tqdm: bool) -> list[RequestOutput]:
+        request_ids = [str(next(self._ids)) for _ in requests]
+        for request_id, request in zip(request_ids, requests, strict=True):
+            self.engine.add_request(request_id, request)
+        outputs: dict[str, RequestOutput] = {}
         with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
             try:
                 while self.engine.has_unfinished_requests():
                     for output in self.engine.step():
+                        whole = outputs.setdefault(output.request_id, output)
+                        if whole is not output:
+                            whole.add(output)
                         if output.finished:
-                            finished[output.request_id] = output
                             bar.update()
             except BaseException:
                 for request_id in request_ids:
                     self.engine.abort_request(request_id)
                 raise
-        return [finished[request_id] for request_id in request_ids]
-
-
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
-    if prompts and all(isinstance(token, int) for token in prompts):
-        return [list(prompts)]  # type: ignore[arg-type]
-    return list(prompts)  # type: ignore[arg-type]
+        return [outputs[request_id] for request_id in request_ids]

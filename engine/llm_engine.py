@@ -3,24 +3,25 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from cache import BlockManager, bytes_per_block, profile_num_blocks
+from cache import BlockManager, bytes_per_block, cdiv, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.model.attention import check_model_supported, register_paged_attention
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
-from engine.model.runner import ModelRunner, SequenceChunk
-from engine.outputs import RequestOutput, TokenLogprobs
-from engine.request.state import RequestState, SampleState
-from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import Sampler
-from scheduler import Scheduler, SchedulerOutput
+from engine.model.runner import ModelRunner
+from engine.outputs import RequestOutput
+from engine.request.intake import EngineRequest, RequestProcessor
+from engine.request.sample import SampleState
+from engine.request.state import RequestState
+from engine.request.token_texts import TokenTexts
+from engine.sampling.sampler import Sampler, SamplerOutput
+from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +50,9 @@ class LLMEngine:
 
     Invariant: `_requests` holds exactly the requests with an unfinished sample; a request
     leaves it in the step that finishes its last sample (or when aborted), and the
-    scheduler has freed all its blocks by then. Not thread-safe: one thread drives it.
+    scheduler has freed all its blocks by then. Requests come in through `processor`
+    (validated and tokenized once); outputs go out as deltas. Not thread-safe: one thread
+    drives it.
     """
 
     def __init__(self, config: EngineConfig) -> None:
@@ -85,20 +88,24 @@ class LLMEngine:
         kv_cache = allocate_kv_cache(
             layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
         )
-        self.runner = ModelRunner(self.model, kv_cache, self.block_size)
-        self.block_manager = BlockManager(
+        self.runner = ModelRunner(
+            self.model, kv_cache, self.block_size, config.max_num_seqs, self.max_model_len
+        )
+        block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark=config.watermark,
         )
         self.scheduler = Scheduler(
-            self.block_manager,
+            block_manager,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
-        self.sampler = Sampler(self.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.device)
+        self.processor = RequestProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self._token_texts = TokenTexts(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}
         self._prompt_tokens_total = 0
@@ -119,13 +126,15 @@ class LLMEngine:
         """
         if self.device.type == "cuda":
             tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-            blocks = -(-tokens // self.block_size)
+            blocks = cdiv(tokens, self.block_size)
             scratch = allocate_kv_cache(layout, blocks, self.block_size, self.dtype, self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            ModelRunner(self.model, scratch, self.block_size).execute(
-                [SequenceChunk([0] * tokens, 0, list(range(blocks)), sample=True)]
-            )
-            del scratch
+            runner = ModelRunner(self.model, scratch, self.block_size, 1, tokens)
+            seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
+            item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))
+            runner.update_block_tables(SchedulerOutput([item]))
+            runner.execute([item])
+            del scratch, runner
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         return profile_num_blocks(
@@ -144,41 +153,16 @@ class LLMEngine:
 
     # -- requests ---------------------------------------------------------------------
 
-    def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return list(prompt) if not isinstance(prompt, str) else self.tokenizer.encode(prompt)
-
-    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
-        """Raise ValueError, with the numbers, for a request that can never be served."""
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
-        total = len(prompt_token_ids) + (params.max_tokens or 1)
-        if total > self.max_model_len:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request asks for {len(prompt_token_ids)} prompt tokens plus max_tokens="
-                f"{params.max_tokens}; shorten the prompt or lower max_tokens"
-            )
-
-    def add_request(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
-    ) -> None:
+    def add_request(self, request_id: str, request: EngineRequest) -> None:
+        """Schedule a request that `processor` (or a processor of this engine) made."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        self.validate(prompt_token_ids, params)
-        max_tokens = params.max_tokens or self.max_model_len - len(prompt_token_ids)
         state = RequestState.create(
-            request_id, prompt, list(prompt_token_ids), params, max_tokens,
-            self.eos_token_ids, self.tokenizer, self.device,
+            request_id, request, self.eos_token_ids, self.tokenizer, self._token_texts,
+            self.device,
         )  # fmt: skip
         self._requests[request_id] = state
-        self._prompt_tokens_total += len(prompt_token_ids) * params.n
+        self._prompt_tokens_total += len(request.prompt_token_ids) * request.params.n
         for sample in state.samples:
             self._samples[sample.seq.seq_id] = sample
             self.scheduler.add(sample.seq)
@@ -196,28 +180,32 @@ class LLMEngine:
     # -- the step -----------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """Schedule, run the model once, sample, apply stops; return the changed requests.
+        """Schedule, run the model once, sample, apply stops; return the changed requests'
+        outputs (each the deltas since that request's previous output).
 
         A failure in the model or sampler fails the requests of this batch (finish reason
         "error") and leaves the engine serving; their cached block hashes are dropped,
         since their K/V may not have been written.
         """
         batch = self.scheduler.schedule()
+        self.runner.update_block_tables(batch)
         touched: dict[str, RequestState] = {}
         for seq in batch.rejected:
             state = self._requests[seq.request_id]
             state.error = seq.error
             touched[state.request_id] = state
         if batch.scheduled:
+            sampling = [self._samples[item.seq.seq_id] for item in batch.sampling]
             try:
-                sampled = self._execute(batch)
+                logits = self.runner.execute(batch.scheduled)
+                sampled = self.sampler.sample(logits, [sample.row for sample in sampling])
             except Exception as exc:
                 logger.exception(
                     "engine step failed; failing its %d sequences", len(batch.scheduled)
                 )
                 self._fail_batch(batch, f"{type(exc).__name__}: {exc}", touched)
             else:
-                self._apply_samples(batch, sampled, touched)
+                self._apply_samples(batch, sampling, sampled, touched)
         outputs = []
         for state in touched.values():
             outputs.append(state.take_output())
@@ -225,45 +213,24 @@ class LLMEngine:
                 self._forget(state)
         return outputs
 
-    def _execute(self, batch: SchedulerOutput) -> dict[str, tuple[int, TokenLogprobs | None]]:
-        chunks = [
-            SequenceChunk(
-                item.token_ids,
-                item.num_computed_tokens,
-                self.block_manager.block_table(item.seq.seq_id),
-                item.samples,
-            )
-            for item in batch.scheduled
-        ]
-        logits = self.runner.execute(chunks)
-        sampling = [item.seq.seq_id for item in batch.scheduled if item.samples]
-        if not sampling:
-            return {}
-        rows = [self._samples[seq_id].row for seq_id in sampling]
-        result = self.sampler.sample(logits, rows)
-        return {
-            seq_id: (token, logprobs)
-            for seq_id, token, logprobs in zip(
-                sampling, result.token_ids, result.logprobs, strict=True
-            )
-        }
-
     def _apply_samples(
         self,
         batch: SchedulerOutput,
-        sampled: dict[str, tuple[int, TokenLogprobs | None]],
+        sampling: list[SampleState],
+        sampled: SamplerOutput,
         touched: dict[str, RequestState],
     ) -> None:
-        grown = self.scheduler.update(batch, {k: token for k, (token, _) in sampled.items()})
-        self._generation_tokens_total += len(grown)
-        for seq in grown:
-            sample = self._samples[seq.seq_id]
-            state = self._requests[seq.request_id]
-            token, logprobs = sampled[seq.seq_id]
-            reason = state.on_token(sample, token, logprobs)
+        self.scheduler.update(batch, sampled.token_ids)
+        self._generation_tokens_total += len(sampling)
+        for sample, token, logprobs in zip(
+            sampling, sampled.token_ids, sampled.logprobs, strict=True
+        ):
+            reason = sample.on_token(token, logprobs)
             if reason is not None:
-                self.scheduler.finish(seq, reason)
-            touched[state.request_id] = state
+                self.scheduler.finish(sample.seq, reason)
+            request_id = sample.seq.request_id
+            if request_id not in touched:
+                touched[request_id] = self._requests[request_id]
 
     def _fail_batch(
         self, batch: SchedulerOutput, error: str, touched: dict[str, RequestState]
@@ -275,7 +242,7 @@ class LLMEngine:
                 if not sample.seq.is_finished:
                     self.scheduler.finish(sample.seq, "error", error)
             touched[state.request_id] = state
-        self.block_manager.reset_prefix_cache()
+        self.scheduler.reset_prefix_cache()
 
     def _forget(self, state: RequestState) -> None:
         del self._requests[state.request_id]
@@ -283,7 +250,7 @@ class LLMEngine:
             del self._samples[sample.seq.seq_id]
 
     def stats(self) -> EngineStats:
-        cache = self.block_manager.stats()
+        cache = self.scheduler.block_manager.stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
+from collections.abc import Sequence as SequenceOf
 
-from cache.block_manager import AllocStatus, BlockManager
+from cache import AllocStatus, BlockManager, cdiv
 from scheduler.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -22,7 +22,9 @@ class Scheduler:
       sequences, and a sequence preempted in a step is not scheduled in that step.
 
     Call order per step: `schedule()`, run the model on its output, `update()` with the
-    sampled tokens, then `finish()` the sequences that stopped. `add()` and `abort()` belong
+    sampled tokens, then `finish()` the sequences that stopped. The block manager is the
+    scheduler's alone: what the model runner needs of it (new block ids, freed sequences)
+    travels in each `SchedulerOutput`. `add()` and `abort()` belong
     between steps: a sequence freed while its step is in flight would leave cached block
     hashes whose K/V was never written.
     """
@@ -46,6 +48,7 @@ class Scheduler:
         self._running: dict[str, Sequence] = {}
         self._unfinished: dict[str, Sequence] = {}
         self._requests: dict[str, list[Sequence]] = {}
+        self._freed: list[str] = []
         self._num_preemptions = 0
 
     @property
@@ -78,7 +81,8 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running sequences first, then waiting ones (FCFS)."""
-        output = SchedulerOutput()
+        output = SchedulerOutput(freed=self._freed)
+        self._freed = []
         token_budget = self._schedule_running(output)
         # After a preemption the blocks left belong to the running sequences' growth: admitting
         # now would run the victim in the step it was preempted from, or hand them to a
@@ -87,23 +91,23 @@ class Scheduler:
             self._admit_waiting(output, token_budget)
         return output
 
-    def update(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Sequence]:
-        """Apply a finished model step: advance computed counts and append each sampled
-        token (`sampled` maps seq_id to token). Returns the sequences that got a token, in
-        batch order; the engine checks their stop conditions and calls `finish()`."""
+    def update(self, output: SchedulerOutput, token_ids: SequenceOf[int]) -> None:
+        """Apply a finished model step: advance computed counts and append the sampled
+        tokens, `token_ids[i]` to the i-th sequence of `output.sampling`. The engine then
+        checks their stop conditions and calls `finish()`."""
         now = time.monotonic()
-        got_token = []
+        sampled = iter(token_ids)
         for scheduled in output.scheduled:
             seq = scheduled.seq
             if seq.num_computed_tokens != scheduled.num_computed_tokens:
                 raise RuntimeError(f"{seq.seq_id!r} changed since schedule(): update() twice?")
             seq.num_computed_tokens += scheduled.num_new_tokens
             if scheduled.samples:
-                seq.output_token_ids.append(sampled[seq.seq_id])
+                seq.output_token_ids.append(next(sampled))
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                got_token.append(seq)
-        return got_token
+        if next(sampled, None) is not None:
+            raise ValueError("more sampled tokens than sampling sequences")
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish `seq` in any state and free its blocks at once."""
@@ -111,7 +115,7 @@ class Scheduler:
             raise ValueError(f"sequence {seq.seq_id!r} is not an unfinished sequence here")
         if seq.status is SequenceStatus.RUNNING:
             del self._running[seq.seq_id]
-            self.block_manager.free(seq.seq_id)
+            self._free_blocks(seq)
         else:
             self._waiting.remove(seq)
         del self._unfinished[seq.seq_id]
@@ -132,6 +136,14 @@ class Scheduler:
             self.finish(seq, "abort")
         return aborted
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every prefix-cache registration (after a step whose K/V may be unwritten)."""
+        self.block_manager.reset_prefix_cache()
+
+    def _free_blocks(self, seq: Sequence) -> None:
+        self.block_manager.free(seq.seq_id)
+        self._freed.append(seq.seq_id)
+
     def _schedule_running(self, output: SchedulerOutput) -> int:
         """Give running sequences their tokens in admission order; return the budget left.
 
@@ -145,22 +157,28 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older one
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
-            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_new_tokens, output):
+            num_slots = seq.num_computed_tokens + num_new_tokens
+            new_blocks = self._grow_or_preempt(seq, num_slots, output)
+            if new_blocks is None:
                 break  # seq preempted itself, so every newer one is gone too
-            self._add_to_batch(seq, num_new_tokens, output)
+            self._add_to_batch(seq, num_new_tokens, output, new_blocks)
             token_budget -= num_new_tokens
         return token_budget
 
-    def _grow_or_preempt(self, seq: Sequence, num_slots: int, output: SchedulerOutput) -> bool:
+    def _grow_or_preempt(
+        self, seq: Sequence, num_slots: int, output: SchedulerOutput
+    ) -> list[int] | None:
         """Make `seq`'s block table hold `num_slots` tokens, preempting the most recently
-        admitted sequences until it fits; False if `seq` itself had to be preempted."""
-        while not self.block_manager.grow(seq.seq_id, num_slots):
+        admitted sequences until it fits; return the blocks added, or None if `seq` itself
+        had to be preempted."""
+        while (new_blocks := self.block_manager.grow(seq.seq_id, num_slots)) is None:
             victim = next(reversed(self._running.values()))
             self._preempt(victim)
             output.preempted.append(victim)
+            output.freed.append(victim.seq_id)
             if victim is seq:
-                return False
-        return True
+                return None
+        return new_blocks
 
     def _preempt(self, seq: Sequence) -> None:
         # Recompute rather than swap: free everything, keep the output, and go back to the
@@ -193,14 +211,14 @@ class Scheduler:
                 if seq.num_tokens > token_budget:
                     break
             token_ids = seq.token_ids
-            status = manager.can_allocate(token_ids)
+            status = manager.can_allocate(token_ids, seq.block_hashes)
             if status is AllocStatus.NEVER:
                 self._reject(seq, self._too_big_for_cache(seq), output)
                 continue
             if status is AllocStatus.LATER:
                 break
             self._waiting.popleft()
-            num_cached_tokens = manager.allocate(seq.seq_id, token_ids)
+            num_cached_tokens = manager.allocate(seq.seq_id, token_ids, seq.block_hashes)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached_tokens
             seq.num_cached_tokens = num_cached_tokens
@@ -208,7 +226,7 @@ class Scheduler:
                 seq.first_scheduled_time = time.monotonic()
             self._running[seq.seq_id] = seq
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, token_budget)
-            self._add_to_batch(seq, num_new_tokens, output)
+            self._add_to_batch(seq, num_new_tokens, output, manager.block_table(seq.seq_id))
             token_budget -= num_new_tokens
 
     def _reject(self, seq: Sequence, error: str, output: SchedulerOutput) -> None:
@@ -226,17 +244,24 @@ class Scheduler:
         manager = self.block_manager
         return (
             f"sequence of {seq.num_tokens} tokens needs "
-            f"{math.ceil(seq.num_tokens / manager.block_size)} KV-cache blocks but only "
+            f"{cdiv(seq.num_tokens, manager.block_size)} KV-cache blocks but only "
             f"{manager.num_blocks} blocks of {manager.block_size} tokens exist (less a "
             "watermark reserve); raise kv_cache_memory or memory_utilization, or lower "
             "max_model_len"
         )
 
-    def _add_to_batch(self, seq: Sequence, num_new_tokens: int, output: SchedulerOutput) -> None:
+    def _add_to_batch(
+        self,
+        seq: Sequence,
+        num_new_tokens: int,
+        output: SchedulerOutput,
+        new_block_ids: list[int],
+    ) -> None:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
+        samples = end == seq.num_tokens
         output.scheduled.append(
-            ScheduledSequence(seq, num_new_tokens, start, samples=end == seq.num_tokens)
+            ScheduledSequence(seq, num_new_tokens, start, samples, new_block_ids)
         )
         # Register blocks this chunk fills now, not after the step, so a sibling (n > 1) or a
         # same-prefix request admitted later in this step already hits them: their K/V is
@@ -244,4 +269,4 @@ class Scheduler:
         # Blocks filled earlier are registered already, so only a crossed boundary needs it.
         block_size = self.block_manager.block_size
         if end // block_size > start // block_size:
-            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end)
+            self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end, seq.block_hashes)

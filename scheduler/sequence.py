@@ -28,6 +28,9 @@ class Sequence:
       `token_ids` (prompt, then output) have K/V in the cache. A WAITING sequence has none,
       including one that was preempted: it keeps its output and recomputes all of it.
     - `finish_reason` is set exactly when `status` is FINISHED.
+    - `block_hashes` holds the chained prefix-cache hashes of the first full blocks of
+      `token_ids` (see `cache.extend_block_hashes`); the block manager extends it as it
+      needs more, so each block of the sequence is hashed once in its life.
     """
 
     seq_id: str
@@ -45,6 +48,7 @@ class Sequence:
     # admitted again and may hit its own freed blocks).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    block_hashes: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

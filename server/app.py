@@ -15,10 +15,9 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from cache import InsufficientKVCacheError
 from engine.async_llm import AsyncLLM
-from engine.config import ConfigError, EngineConfig
-from engine.model.loader import ModelLoadError
+from engine.config import EngineConfig
+from engine.errors import SETTINGS_ERRORS
 from server import chat, completions, info
 from server.config import ServeConfig
 from server.errors import install_error_handlers
@@ -28,8 +27,6 @@ from server.state import ServerState
 logger = logging.getLogger(__name__)
 
 LLMFactory = Callable[[EngineConfig], AsyncLLM]
-# Load failures caused by the settings: reported in one line, without a traceback.
-SETTINGS_ERRORS = (ConfigError, ModelLoadError, InsufficientKVCacheError, ValueError)
 
 
 def build_app(
@@ -74,6 +71,7 @@ async def _load_engine(
     try:
         llm = await asyncio.to_thread(llm_factory, config.engine_config())
     except Exception as exc:
+        # Failures the settings caused are reported in one line, without a traceback.
         if isinstance(exc, SETTINGS_ERRORS):
             logger.error("cannot start the engine: %s", exc)
         else:

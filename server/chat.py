@@ -1,7 +1,8 @@
 """POST /v1/chat/completions: messages through the model's chat template, n samples.
 
 The conversation is rendered and tokenized by the tokenizer's own chat template with the
-assistant's turn opened, so the model sees exactly the format it was trained on.
+assistant's turn opened (on the engine's intake thread, see `AsyncLLM.process_chat`), so
+the model sees exactly the format it was trained on.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request, Response
-from jinja2 import TemplateError
 
-from engine.async_llm import EngineError
+from engine.errors import EngineError
+from engine.request.intake import ChatTemplateError
 from server.auth import require_api_key
 from server.disconnect import cancel_on_disconnect
 from server.errors import engine_failure, error_body, invalid_request, user_errors
@@ -38,11 +39,9 @@ from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
 
 if TYPE_CHECKING:
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput, TokenLogprobs
-    from engine.sampling.params import SamplingParams
+    from engine.request.intake import EngineRequest, Message
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 _FIELDS = set(ChatCompletionRequest.model_fields)
@@ -55,7 +54,6 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state.check_model(body.model)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
-    prompt = render_chat(llm.tokenizer, body.messages)
     # max_completion_tokens is OpenAI's newer name for max_tokens and wins when both are set.
     max_tokens = (
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
@@ -63,29 +61,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     with user_errors(_FIELDS, aliases={"logprobs": "top_logprobs"}):
         params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
-        llm.validate(prompt, params)
-    chat = _Chat(state, llm, body, params, prompt)
+        try:
+            prompt = await llm.process_chat(conversation(body.messages), params)
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "messages") from exc
+    chat = _Chat(state, llm, body, prompt)
     if body.stream:
         return SSEResponse(chat.events(http_request_id(request)))
     final = await cancel_on_disconnect(request, chat.run())
     return Response(chat.response(final).model_dump_json(), media_type="application/json")
 
 
-def render_chat(tokenizer: PreTrainedTokenizerBase, messages: list[ChatMessage]) -> list[int]:
-    """Token ids of the conversation with the assistant's turn opened; a template that
-    rejects the conversation (say, roles that do not alternate) is the user's 400."""
-    conversation = [
+def conversation(messages: list[ChatMessage]) -> list[Message]:
+    """The messages as a chat template reads them."""
+    return [
         {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
         for m in messages
     ]
-    try:
-        ids: list[int] = tokenizer.apply_chat_template(
-            conversation, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    except (TemplateError, ValueError) as exc:
-        message = f"the chat template rejected the messages: {exc}"
-        raise invalid_request(message, "messages") from exc
-    return ids
 
 
 @dataclass(slots=True)
@@ -95,15 +87,12 @@ class _Chat:
     state: ServerState
     llm: AsyncLLM
     body: ChatCompletionRequest
-    params: SamplingParams
-    prompt: list[int]
+    prompt: EngineRequest
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> RequestOutput:
-        finals = await final_outputs(
-            self.state, self.llm, [self.prompt], self.params, self.request_id
-        )
+        finals = await final_outputs(self.state, self.llm, [self.prompt], self.request_id)
         return finals[0]
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
@@ -128,22 +117,22 @@ class _Chat:
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:
         """The SSE stream: each choice's role, then content deltas, then per choice a chunk
         with an empty delta and the finish_reason; the usage chunk if asked for; [DONE]."""
-        for index in range(self.params.n):
+        for index in range(self.prompt.params.n):
             delta = ChatDelta(role="assistant", content="")
             yield sse(self._chunk(ChatStreamChoice(index=index, delta=delta)))
-        final: RequestOutput | None = None
+        whole: RequestOutput | None = None
         finished: set[int] = set()
         try:
-            async for _, output in generate(
-                self.state, self.llm, [self.prompt], self.params, self.request_id
+            async for _, output, latest in generate(
+                self.state, self.llm, [self.prompt], self.request_id
             ):
-                final = output
+                whole = latest
                 for completion in output.outputs:
                     if completion.index in finished:
                         continue
-                    logprobs = self._logprobs(completion.delta_logprobs)
-                    if completion.delta_text or (logprobs and logprobs.content):
-                        delta = ChatDelta(content=completion.delta_text)
+                    logprobs = self._logprobs(completion.logprobs)
+                    if completion.text or (logprobs and logprobs.content):
+                        delta = ChatDelta(content=completion.text)
                         choice = ChatStreamChoice(
                             index=completion.index, delta=delta, logprobs=logprobs
                         )
@@ -162,14 +151,14 @@ class _Chat:
             yield DONE
             return
         if self.body.include_usage:
-            assert final is not None, "the engine's last output is always a finished one"
-            yield sse(self._chunk(None, count_usage([final])))
+            assert whole is not None, "the engine's last output is always a finished one"
+            yield sse(self._chunk(None, count_usage([whole])))
         yield DONE
 
     def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
-        if self.params.logprobs is None:
+        if self.prompt.params.logprobs is None:
             return None
-        return chat_logprobs(self.llm.tokenizer, entries or [])
+        return chat_logprobs(entries or [])
 
     def _chunk(
         self, choice: ChatStreamChoice | None, usage: Usage | None = None

@@ -76,7 +76,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     # torch and transformers load only once the settings are known good, so that a bad
     # setting is reported at once.
-    from engine.model.loader import ModelLoadError, resolve_model_folder
+    from engine.errors import ModelLoadError
+    from engine.model.loader import resolve_model_folder
 
     try:
         # Fail before the server starts for the common mistake of a wrong model path; the
@@ -94,7 +95,8 @@ def _usage_error(exc: Exception) -> int:
 
 def serve(config: ServeConfig) -> int:
     """Run the server until interrupted; 2 if the engine could not be built from `config`."""
-    from server.app import SETTINGS_ERRORS, build_app
+    from engine.errors import SETTINGS_ERRORS
+    from server.app import build_app
 
     failures: list[BaseException] = []
 

@@ -1,8 +1,8 @@
 """POST /v1/completions: one or many prompts, n samples each, as JSON or a stream.
 
 Everything a user can get wrong (parameters, model name, prompt length) is checked
-before the engine sees the request, so a stream never starts for a request that would
-fail validation.
+before the engine sees the request (prompts on the engine's intake thread), so a stream
+never starts for a request that would fail validation.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request, Response
 
-from engine.async_llm import EngineError
+from engine.errors import EngineError
 from server.auth import require_api_key
 from server.disconnect import cancel_on_disconnect
 from server.errors import engine_failure, error_body, invalid_request, user_errors
@@ -29,6 +29,7 @@ from server.streaming import DONE, SSEResponse, sse
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -44,11 +45,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS):
         params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
-        prompts = [llm.tokenize(prompt) for prompt in body.prompt]
-        for prompt_ids in prompts:
-            llm.validate(prompt_ids, params)
+        prompts = [await llm.process(prompt, params) for prompt in body.prompt]
     if body.echo:
-        prefixes = [p if isinstance(p, str) else llm.tokenizer.decode(p) for p in body.prompt]
+        prefixes = [p if isinstance(p, str) else await llm.decode(p) for p in body.prompt]
     else:
         prefixes = [""] * len(prompts)
     completion = _Completion(state, llm, body, params, prompts, prefixes)
@@ -67,13 +66,13 @@ class _Completion:
     llm: AsyncLLM
     body: CompletionRequest
     params: SamplingParams
-    prompts: list[list[int]]
+    prompts: list[EngineRequest]
     prefixes: list[str]
     request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> list[RequestOutput]:
-        return await final_outputs(self.state, self.llm, self.prompts, self.params, self.request_id)
+        return await final_outputs(self.state, self.llm, self.prompts, self.request_id)
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
@@ -104,13 +103,13 @@ class _Completion:
                 formatters[index] = self._formatter(len(prefix))
                 if prefix:
                     yield sse(self._envelope([CompletionChoice(index=index, text=prefix)]))
-        finals: dict[int, RequestOutput] = {}
+        wholes: dict[int, RequestOutput] = {}
         finished: set[int] = set()
         try:
-            async for prompt_index, output in generate(
-                self.state, self.llm, self.prompts, self.params, self.request_id
+            async for prompt_index, output, whole in generate(
+                self.state, self.llm, self.prompts, self.request_id
             ):
-                finals[prompt_index] = output
+                wholes[prompt_index] = whole
                 for completion in output.outputs:
                     index = prompt_index * n + completion.index
                     if index in finished:
@@ -125,14 +124,14 @@ class _Completion:
             yield DONE
             return
         if self.body.include_usage:
-            in_order = [finals[i] for i in range(len(self.prompts))]
+            in_order = [wholes[i] for i in range(len(self.prompts))]
             yield sse(self._envelope([], count_usage(in_order)))
         yield DONE
 
     def _formatter(self, offset: int) -> CompletionLogprobsFormatter | None:
         if self.body.logprobs is None:
             return None
-        return CompletionLogprobsFormatter(self.llm.tokenizer, offset)
+        return CompletionLogprobsFormatter(offset)
 
     def _envelope(
         self, choices: list[CompletionChoice], usage: Usage | None = None
@@ -151,13 +150,13 @@ def _delta_choice(
 ) -> CompletionChoice | None:
     """The chunk for what `completion` gained since the last output, or None if nothing."""
     logprobs = None
-    if formatter is not None and completion.delta_logprobs:
-        logprobs = formatter.format(completion.delta_logprobs)
-    if not completion.delta_text and logprobs is None and completion.finish_reason is None:
+    if formatter is not None and completion.logprobs:
+        logprobs = formatter.format(completion.logprobs)
+    if not completion.text and logprobs is None and completion.finish_reason is None:
         return None
     return CompletionChoice(
         index=index,
-        text=completion.delta_text,
+        text=completion.text,
         logprobs=logprobs,
         finish_reason=completion.finish_reason,
         stop_reason=completion.stop_reason,

@@ -17,7 +17,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.async_llm import EngineError
+from engine.errors import EngineError
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def invalid_request(message: str, param: str | None = None) -> OpenAIError:
 
 @contextmanager
 def user_errors(fields: set[str], aliases: dict[str, str] | None = None) -> Iterator[None]:
-    """Turn a ValueError about the request (from SamplingParams or llm.validate) into a 400.
+    """Turn a ValueError about the request (from SamplingParams or the intake) into a 400.
 
     Both raise messages that start with the parameter's name; it becomes `param` when it
     is one of the request's `fields`, after renaming by `aliases` (SamplingParams' name ->

@@ -2,6 +2,8 @@
 
 One API request with several prompts becomes one engine request per prompt, with ids
 `<request id>-<prompt index>`; a request's choice `prompt_index * n + sample_index`.
+The engine's outputs are deltas: streams send them on as they come, and a whole response
+accumulates them (`RequestOutput.add`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from server.state import ServerState
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput
-    from engine.sampling.params import SamplingParams
+    from engine.request.intake import EngineRequest
 
 
 def new_request_id(prefix: str) -> str:
@@ -27,36 +29,35 @@ def new_request_id(prefix: str) -> str:
 
 
 async def generate(
-    state: ServerState,
-    llm: AsyncLLM,
-    prompts: Sequence[list[int]],
-    params: SamplingParams,
-    request_id: str,
-) -> AsyncGenerator[tuple[int, RequestOutput], None]:
-    """Yield `(prompt index, output)` as any prompt progresses; record finished latencies.
+    state: ServerState, llm: AsyncLLM, requests: Sequence[EngineRequest], request_id: str
+) -> AsyncGenerator[tuple[int, RequestOutput, RequestOutput], None]:
+    """Yield `(prompt index, output, whole)` as any prompt progresses: `output` holds the
+    deltas, `whole` that prompt's output so far. Records finished requests' latencies.
 
     Closing this generator aborts every prompt's engine request that has not finished.
     """
-    streams = [llm.generate(ids, params, f"{request_id}-{i}") for i, ids in enumerate(prompts)]
+    streams = [llm.generate(request, f"{request_id}-{i}") for i, request in enumerate(requests)]
+    wholes: dict[int, RequestOutput] = {}
     async with aclosing(merge_streams(streams)) as merged:
         async for index, output in merged:
+            whole = wholes.get(index)
+            if whole is None:
+                whole = wholes[index] = output.copy()
+            else:
+                whole.add(output)
             if output.finished:
-                state.metrics.observe_finished(output)
-            yield index, output
+                state.metrics.observe_finished(whole)
+            yield index, output, whole
 
 
 async def final_outputs(
-    state: ServerState,
-    llm: AsyncLLM,
-    prompts: Sequence[list[int]],
-    params: SamplingParams,
-    request_id: str,
+    state: ServerState, llm: AsyncLLM, requests: Sequence[EngineRequest], request_id: str
 ) -> list[RequestOutput]:
-    """Each prompt's last (finished) output, in prompt order."""
-    finals: dict[int, RequestOutput] = {}
-    async for index, output in generate(state, llm, prompts, params, request_id):
-        finals[index] = output
-    return [finals[i] for i in range(len(prompts))]
+    """Each prompt's whole (finished) output, in prompt order."""
+    wholes: dict[int, RequestOutput] = {}
+    async for index, _, whole in generate(state, llm, requests, request_id):
+        wholes[index] = whole
+    return [wholes[i] for i in range(len(requests))]
 
 
 def count_usage(outputs: Sequence[RequestOutput]) -> Usage:

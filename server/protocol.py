@@ -12,30 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_serializer
 
-# One prompt: text, or token ids.
-Prompt = str | list[int]
-
-
-def _as_prompt_list(value: Any) -> list[Prompt]:
-    """Accept a string, a list of strings, token ids or a list of token-id lists."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(item, str) for item in value):
-            return list(value)
-        if _is_token_ids(value):
-            return [list(value)]
-        if all(isinstance(item, list) and _is_token_ids(item) for item in value):
-            return [list(item) for item in value]
-    raise ValueError(
-        "prompt must be a string, a list of strings, a list of token ids or a list of "
-        "token-id lists, and not empty"
-    )
-
-
-def _is_token_ids(items: list[Any]) -> bool:
-    # bool is an int subclass, but `true` is not a token id.
-    return all(isinstance(i, int) and not isinstance(i, bool) for i in items)
+from engine.request.intake import Prompt, as_prompt_list
 
 
 class _Request(BaseModel):
@@ -74,7 +51,7 @@ class SamplingRequest(_Request):
 
 
 class CompletionRequest(SamplingRequest):
-    prompt: Annotated[list[Prompt], PlainValidator(_as_prompt_list)]
+    prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list)]
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None

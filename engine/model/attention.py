@@ -16,16 +16,14 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface, PreTrainedModel
 
+from engine.config import ConfigError
+from engine.errors import UnsupportedModelError
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.kernels.decode_attention import DecodeKernel, load_decode_kernel, supports
 
 ATTN_IMPLEMENTATION = "pagedserve"
 # Decode rows through the C++ kernel; a name of its own so both backends can coexist.
 ATTN_IMPLEMENTATION_CPP = "pagedserve_cpp"
-
-
-class UnsupportedModelError(ValueError):
-    """The model cannot run on paged attention; the message says why."""
 
 
 def paged_attention_forward(
@@ -159,10 +157,10 @@ def register_paged_attention(backend: str = "torch", device: torch.device | None
     """
     on_cpu = device is None or device.type == "cpu"
     if backend == "cpp" and not on_cpu:
-        raise ValueError(f"attention_backend 'cpp' runs on the CPU, not on {device}")
+        raise ConfigError(f"attention_backend 'cpp' runs on the CPU, not on {device}")
     kernel = load_decode_kernel() if backend != "torch" and on_cpu else None
     if backend == "cpp" and kernel is None:
-        raise RuntimeError("attention_backend 'cpp': the C++ decode kernel did not build (see log)")
+        raise ConfigError("attention_backend 'cpp': the C++ decode kernel did not build (see log)")
     if kernel is None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
         return ATTN_IMPLEMENTATION

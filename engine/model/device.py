@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from engine.config import ConfigError
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -14,7 +16,7 @@ def resolve_device(setting: str) -> torch.device:
     if setting == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if setting == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but no CUDA device is available")
+        raise ConfigError("device 'cuda' was asked for but no CUDA device is available")
     return torch.device(setting)
 
 

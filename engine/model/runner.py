@@ -3,25 +3,15 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
+from cache import cdiv
 from engine.model.attention_metadata import PagedAttentionMetadata, PrefillChunk
-
-
-@dataclass(slots=True)
-class SequenceChunk:
-    """The tokens one sequence computes this step: `token_ids` at positions `start`,
-    `start + 1`, ...; `block_table` covers at least `start + len(token_ids)` slots; when
-    `sample` is set, the logits of its last token are returned."""
-
-    token_ids: Sequence[int]
-    start: int
-    block_table: Sequence[int]
-    sample: bool
+from engine.model.block_tables import BlockTables
+from scheduler import ScheduledSequence, SchedulerOutput
 
 
 class ModelRunner:
@@ -29,71 +19,81 @@ class ModelRunner:
 
     Decode rows (one token) attend in one batched computation; longer chunks are prefills.
     Logits are computed only at the last position of each sampling chunk, in batch order.
+    Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
+    call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
     """
 
-    def __init__(self, model: PreTrainedModel, kv_cache: torch.Tensor, block_size: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        kv_cache: torch.Tensor,
+        block_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
+        self.block_tables = BlockTables(max_num_seqs, cdiv(max_model_len, block_size))
+
+    def update_block_tables(self, batch: SchedulerOutput) -> None:
+        self.block_tables.update(batch)
 
     @torch.inference_mode()
-    def execute(self, chunks: Sequence[SequenceChunk]) -> torch.Tensor:
+    def execute(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Return float32 logits `[number of sampling chunks, vocab]`."""
+        block_size, tables = self.block_size, self.block_tables
         input_ids: list[int] = []
-        logit_index: list[int] = []
-        positions: list[np.ndarray] = []
-        slots: list[np.ndarray] = []
-        decode_rows: list[int] = []
-        prefills: list[PrefillChunk] = []
-        for chunk in chunks:
-            first = len(input_ids)
-            count = len(chunk.token_ids)
-            input_ids.extend(chunk.token_ids)
-            chunk_positions = np.arange(chunk.start, chunk.start + count)
-            positions.append(chunk_positions)
-            table = np.asarray(chunk.block_table, dtype=np.int64)
-            slots.append(
-                table[chunk_positions // self.block_size] * self.block_size
-                + chunk_positions % self.block_size
-            )
-            if count == 1:
-                decode_rows.append(first)
-            else:
-                context = chunk.start + count
-                blocks = torch.as_tensor(table[: -(-context // self.block_size)])
-                prefills.append(PrefillChunk(first, first + count, blocks.to(self.device), context))
-            if chunk.sample:
-                logit_index.append(first + count - 1)
+        rows, counts, starts, samples = [], [], [], []
+        for item in scheduled:
+            input_ids += item.token_ids
+            rows.append(tables.row(item.seq.seq_id))
+            counts.append(item.num_new_tokens)
+            starts.append(item.num_computed_tokens)
+            samples.append(item.samples)
+        row = np.asarray(rows, dtype=np.int64)
+        count = np.asarray(counts, dtype=np.int64)
+        start = np.asarray(starts, dtype=np.int64)
+        first = np.cumsum(count) - count  # each chunk's first index in the packed batch
+        if len(input_ids) == len(scheduled):  # a pure decode step: one token per sequence
+            positions = start
+            token_rows = row
+        else:
+            positions = np.arange(len(input_ids)) + np.repeat(start - first, count)
+            token_rows = np.repeat(row, count)
+        slots = tables.table[token_rows, positions // block_size] * block_size
+        slots += positions % block_size
 
+        decode = count == 1
+        decode_rows = row[decode]
+        context_lens = start[decode] + 1
+        width = cdiv(int(context_lens.max()), block_size) if decode_rows.size else 0
+        prefills = [
+            PrefillChunk(
+                int(first[i]),
+                int(first[i] + count[i]),
+                self._tensor(tables.table[row[i], : cdiv(int(start[i] + count[i]), block_size)]),
+                int(start[i] + count[i]),
+            )
+            for i in np.flatnonzero(~decode)
+        ]
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=self._tensor(np.concatenate(slots)),
-            decode_token_index=self._tensor(np.asarray(decode_rows, dtype=np.int64)),
+            slot_mapping=self._tensor(slots),
+            decode_token_index=self._tensor(first[decode]),
+            decode_block_tables=self._tensor(tables.table[decode_rows, :width]),
+            decode_context_lens=self._tensor(context_lens),
             prefills=prefills,
-            **self._decode_tables(chunks),
         )
         output = self.model(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64))[None],
-            position_ids=self._tensor(np.concatenate(positions))[None],
-            logits_to_keep=self._tensor(np.asarray(logit_index, dtype=np.int64)),
+            position_ids=self._tensor(positions)[None],
+            logits_to_keep=self._tensor((first + count - 1)[np.asarray(samples, dtype=bool)]),
             use_cache=False,
             paged_metadata=metadata,
         )
         return output.logits[0].float()
 
-    def _decode_tables(self, chunks: Sequence[SequenceChunk]) -> dict[str, torch.Tensor]:
-        decodes = [c for c in chunks if len(c.token_ids) == 1]
-        context_lens = np.asarray([c.start + 1 for c in decodes], dtype=np.int64)
-        width = int(-(-context_lens.max() // self.block_size)) if decodes else 0
-        tables = np.zeros((len(decodes), width), dtype=np.int64)
-        for row, chunk in enumerate(decodes):
-            used = -(-(chunk.start + 1) // self.block_size)
-            tables[row, :used] = chunk.block_table[:used]
-        return {
-            "decode_block_tables": self._tensor(tables),
-            "decode_context_lens": self._tensor(context_lens),
-        }
-
     def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(array).to(self.device, non_blocking=True)
+        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)

@@ -29,11 +29,12 @@ class IncrementalDetokenizer:
     - `emitted` characters of `decode(ids[start:])` have been emitted (`>= read_len`).
     - No delta ends in U+FFFD: a trailing U+FFFD may still become a character when more
       bytes arrive, so it is held until a later character follows it or `flush()`.
-    After `flush()`, `text` equals the text the output adds to the prompt: for byte-level
+    The detokenizer keeps no text: its caller owns the output text (see `StopChecker`).
+    After `flush()`, the deltas joined equal the text the output adds to the prompt: for byte-level
     tokenizers (GPT-2 style, e.g. SmolLM2) that is `tokenizer.decode(output_ids)`; for
     SentencePiece-style ones the first token keeps its leading space, as in vLLM, so that
     prompt + text reads right. A prompt whose tail is not clean text gives no context, and
-    then `text == decode(output_ids)` for any tokenizer.
+    then the text is `decode(output_ids)` for any tokenizer.
     Limits: while the text ends in U+FFFD (a run of invalid bytes) the window grows, so
     such a run costs O(run length) per push. Byte-fallback decoders turn a whole run of
     byte tokens into U+FFFDs if any byte in it is invalid, so after invalid bytes a shown
@@ -53,12 +54,6 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)
         self._read_len = len(self._decode(self._ids))
         self._emitted = self._read_len
-        self._text = ""
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far (the final text once `flush()` was called)."""
-        return self._text
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Append output tokens; return the text they complete (possibly empty)."""
@@ -74,7 +69,6 @@ class IncrementalDetokenizer:
             self._start, self._read = self._read, len(self._ids)
             self._read_len = len(self._decode(self._ids[self._start : self._read]))
             self._emitted = self._read_len
-        self._text += delta
         return delta
 
     def flush(self) -> str:
@@ -82,7 +76,6 @@ class IncrementalDetokenizer:
         text = self._decode(self._ids[self._start :])
         delta = text[self._emitted :]
         self._emitted = len(text)
-        self._text += delta
         return delta
 
     def _decode(self, token_ids: Sequence[int]) -> str:

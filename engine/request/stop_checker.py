@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 
 class StopChecker:
-    """Watches one sequence's output text for its request's stop strings.
+    """Holds one sample's output text, the only copy, and watches it for stop strings.
 
     Feed it the detokenizer's deltas with `append`; a stop string is found even when it
     spans several deltas. Invariants:

@@ -8,7 +8,8 @@ the penalised logits; truncation never changes an argmax, so it is skipped for t
 Reproducibility: a seeded non-greedy row draws its noise only from its own generator,
 exactly one vocabulary-sized draw per sampled token, and every step of its processing is
 row-wise, so its tokens depend on its logits and its seed and never on which other rows
-share the batch. Unseeded rows share the global RNG.
+share the batch. Unseeded rows share the sampler's generator, seeded by the engine's
+`seed` setting, so a fresh engine given the same requests in the same order repeats itself.
 
 Logprobs are "raw": the log_softmax of the model's logits as given, before penalties,
 temperature and truncation (vLLM's default), so they describe the model, not the sampler.
@@ -18,8 +19,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
 
 import torch
 
@@ -38,13 +39,16 @@ class SamplingRow:
     `prompt_token_ids` and `output_token_ids` are read only when the params have a penalty
     or an unmet `min_tokens`, so passing the sequence's own lists costs nothing.
     `generator` is the sequence's own RNG when its request has a seed (see
-    `seeded_generator`), else None.
+    `seeded_generator`), else None. `stop_token_ids` are the tokens that would end the
+    sequence, masked while it has fewer than `min_tokens` outputs; the sample that owns the
+    row decides them (`engine.request.sample.ending_token_ids`).
     """
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    stop_token_ids: Set[int] = field(default_factory=frozenset)
 
 
 @dataclass(slots=True)
@@ -71,13 +75,15 @@ def seeded_generator(seed: int, index: int, device: torch.device | str = "cpu") 
 class Sampler:
     """Turns a step's last-position logits into next tokens.
 
-    `eos_token_ids` are the model's end-of-sequence ids, masked (with the request's
-    `stop_token_ids`) while a sequence has fewer than `min_tokens` outputs; with
-    `ignore_eos` EOS is an ordinary token and only `stop_token_ids` are masked.
+    `seed` seeds the generator that unseeded non-greedy rows draw from; None leaves them
+    to torch's global RNG.
     """
 
-    def __init__(self, eos_token_ids: Iterable[int]) -> None:
-        self.eos_token_ids = sorted(set(eos_token_ids))
+    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+        self.generator: torch.Generator | None = None
+        if seed is not None:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
@@ -96,7 +102,9 @@ class Sampler:
                 token_ids[index] = processed[index].argmax(dim=-1)
             randoms = [i for i, row in enumerate(rows) if not row.params.greedy]
             index = _index(randoms, raw.device)
-            token_ids[index] = _sample_random(processed[index], [rows[i] for i in randoms])
+            token_ids[index] = _sample_random(
+                processed[index], [rows[i] for i in randoms], self.generator
+            )
         return SamplerOutput(token_ids.tolist(), _logprobs(raw, rows, token_ids))
 
     def _mask_min_tokens(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -104,13 +112,9 @@ class Sampler:
         row_index: list[int] = []
         token_index: list[int] = []
         for i, row in enumerate(rows):
-            params = row.params
-            if len(row.output_token_ids) >= params.min_tokens:
+            if len(row.output_token_ids) >= row.params.min_tokens:
                 continue
-            banned = params.stop_token_ids
-            if not params.ignore_eos:
-                banned = [*self.eos_token_ids, *banned]
-            banned = [t for t in banned if t < vocab_size]
+            banned = [t for t in row.stop_token_ids if t < vocab_size]
             row_index += [i] * len(banned)
             token_index += banned
         if not row_index:
@@ -168,8 +172,11 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     return logits.index_copy(0, index, sub[:, :vocab_size])
 
 
-def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """Temperature, top-k, top-p, min-p, then one draw per row."""
+def _sample_random(
+    logits: torch.Tensor, rows: Sequence[SamplingRow], shared: torch.Generator | None
+) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, then one draw per row; rows without a generator
+    of their own draw from `shared`."""
     device = logits.device
     temperature = torch.tensor([row.params.temperature for row in rows], device=device)
     logits = logits / temperature[:, None]
@@ -183,14 +190,16 @@ def _sample_random(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
     noise = torch.empty_like(logits)
     unseeded = [i for i, row in enumerate(rows) if row.generator is None]
     if len(unseeded) == len(rows):
-        noise.uniform_()
+        noise.uniform_(generator=shared)
     else:
         for i, row in enumerate(rows):
             if row.generator is not None:
                 noise[i].uniform_(generator=row.generator)
         if unseeded:
             index = _index(unseeded, device)
-            noise[index] = torch.rand(len(unseeded), noise.shape[1], device=device)
+            noise[index] = torch.rand(
+                len(unseeded), noise.shape[1], device=device, generator=shared
+            )
     log_exponential = noise.log_().neg_().log_()
     return logits.sub_(log_exponential).argmax(dim=-1)
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-import cache.block_manager
+import cache.block_hash
 from cache import AllocStatus, BlockManager
 
 BS = 4  # block size in most tests
@@ -116,7 +116,7 @@ def test_shared_prefix_freed_by_one_sequence_stays_cached_for_the_other() -> Non
 def test_forced_hash_collision_is_detected_and_not_shared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cache.block_manager, "hash_block", lambda parent, tokens: 42)
+    monkeypatch.setattr(cache.block_hash, "hash_block", lambda parent, tokens: 42)
     bm = BlockManager(10, BS, watermark=0)
     _run(bm, "a", _tokens(9))
     # Block 1 collides with block 0 on registration: it stays unregistered.
@@ -128,7 +128,7 @@ def test_forced_hash_collision_is_detected_and_not_shared(
 
 def test_collision_of_parents_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hash that ignores the parent: equal tokens after different prefixes must miss."""
-    monkeypatch.setattr(cache.block_manager, "hash_block", lambda parent, tokens: hash(tokens))
+    monkeypatch.setattr(cache.block_hash, "hash_block", lambda parent, tokens: hash(tuple(tokens)))
     bm = BlockManager(12, BS, watermark=0)
     first, other, tail = _tokens(4), _tokens(4, 10), _tokens(4, 20)
     _run(bm, "a", [*first, *tail, 0])  # registers `tail` after `first`
@@ -186,18 +186,18 @@ def test_allocate_without_room_raises_and_changes_nothing() -> None:
         bm.allocate("a", _tokens(1))
 
 
-def test_grow_without_room_returns_false_without_side_effects() -> None:
+def test_grow_without_room_returns_none_without_side_effects() -> None:
     bm = BlockManager(5, BS, watermark=0.2)  # a reserve of 1 block
     bm.allocate("a", _tokens(8))
     bm.allocate("b", _tokens(8, 100))
-    assert bm.grow("a", 8) and bm.block_table("a") == [0, 1]  # already room: nothing taken
-    assert bm.grow("a", 9)  # running sequences may use the reserve
+    assert bm.grow("a", 8) == [] and bm.block_table("a") == [0, 1]  # already room
+    assert bm.grow("a", 9) == [4]  # running sequences may use the reserve
     assert bm.num_free_blocks == 0
     before = bm.stats()
-    assert not bm.grow("b", 9)
+    assert bm.grow("b", 9) is None
     assert bm.block_table("b") == [2, 3] and bm.stats() == before and _queue(bm) == []
     bm.free("a")
-    assert bm.grow("b", 16) and len(bm.block_table("b")) == 4
+    assert bm.grow("b", 16) == bm.block_table("b")[2:] and len(bm.block_table("b")) == 4
 
 
 def test_stats_count_usage_queries_hits_and_evictions() -> None:
@@ -265,7 +265,7 @@ def test_generated_tokens_are_shared_after_growth() -> None:
     bm.allocate("a", tokens)
     for next_token in range(3, 9):  # decode: each new token gets a slot, then is computed
         tokens.append(next_token)
-        assert bm.grow("a", len(tokens))
+        assert bm.grow("a", len(tokens)) is not None
         bm.cache_full_blocks("a", tokens, len(tokens))
     assert bm.allocate("b", [*tokens, 100]) == 8
 
@@ -279,7 +279,7 @@ def test_duplicate_block_keeps_existing_entry_and_chains_on() -> None:
     assert bm.allocate("b", prompt) == 4
     twin = bm.block_table("b")[1]
     tokens = [*prompt, 8, 9, 10, 11]
-    assert bm.grow("b", len(tokens))
+    assert bm.grow("b", len(tokens)) is not None
     bm.cache_full_blocks("b", tokens, len(tokens))
     assert bm._blocks[twin].block_hash is None  # a's entry is kept
     bm.free("b")

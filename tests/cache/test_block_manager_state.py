@@ -107,7 +107,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             seq.tokens.append(sampled)
         chunk = min(chunk, len(seq.tokens) - seq.num_computed)
         table, free = bm.block_table(seq_id), bm.num_free_blocks
-        if not bm.grow(seq_id, seq.num_computed + chunk):
+        if bm.grow(seq_id, seq.num_computed + chunk) is None:
             assert bm.block_table(seq_id) == table and bm.num_free_blocks == free
             return
         table = bm.block_table(seq_id)
@@ -201,7 +201,7 @@ class WeakHashMachine(BlockManagerMachine):
     def __init__(self) -> None:
         super().__init__()
         self._patch = mock.patch(
-            "cache.block_manager.hash_block", lambda parent, tokens: sum(tokens) % 3
+            "cache.block_hash.hash_block", lambda parent, tokens: sum(tokens) % 3
         )
         self._patch.start()
 

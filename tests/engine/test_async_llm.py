@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.async_llm import AsyncLLM, EngineError
+from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.errors import EngineError, ModelLoadError
 from engine.llm_engine import LLMEngine
-from engine.model.loader import ModelLoadError
 from engine.sampling.params import SamplingParams
 
 
@@ -26,13 +26,18 @@ def llm(tiny_model_paths: dict[str, Path]):
 
 
 async def collect(llm: AsyncLLM, prompt: str, params: SamplingParams, request_id: str):
+    """The streamed text and the whole output, accumulated from the engine's deltas."""
+    request = await llm.process(prompt, params)
     deltas: list[str] = []
-    last = None
-    async for output in llm.generate(prompt, params, request_id):
-        deltas.append(output.outputs[0].delta_text)
-        last = output
-    assert last is not None and last.finished
-    return "".join(deltas), last
+    whole = None
+    async for output in llm.generate(request, request_id):
+        deltas.append(output.outputs[0].text)
+        if whole is None:
+            whole = output
+        else:
+            whole.add(output)
+    assert whole is not None and whole.finished
+    return "".join(deltas), whole
 
 
 async def wait_for_idle(llm: AsyncLLM) -> None:
@@ -66,7 +71,8 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(llm: AsyncLLM):
 
     async def run():
         seen = 0
-        async for _ in llm.generate("long " * 50, params, "early-exit"):
+        request = await llm.process("long " * 50, params)
+        async for _ in llm.generate(request, "early-exit"):
             seen += 1
             if seen == 3:
                 break

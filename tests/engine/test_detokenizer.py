@@ -79,10 +79,9 @@ def stream(
             break
         deltas.append(detok.push(output[position : position + size]))
         position += size
-        emitted.append(detok.text)
+        emitted.append("".join(deltas))
     deltas.append(detok.flush())
-    assert "".join(deltas) == detok.text
-    return deltas, emitted, detok.text
+    return deltas, emitted, "".join(deltas)
 
 
 def fragment_ids(tokenizer) -> list[int]:

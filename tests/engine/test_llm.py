@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.model.attention import ATTN_IMPLEMENTATION_CPP, UnsupportedModelError
+from engine.errors import UnsupportedModelError
+from engine.model.attention import ATTN_IMPLEMENTATION_CPP
 
 
 @pytest.fixture(scope="module")

@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from engine.errors import ModelLoadError
 from engine.model.device import cpu_has_fast_bf16, resolve_dtype
-from engine.model.loader import ModelLoadError, convert_gguf, load_model
+from engine.model.loader import convert_gguf, load_model
 
 
 def test_local_folder_loads_with_eos_ids(tiny_model_paths: dict[str, Path]):

@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
+from engine.request.sample import ending_token_ids
 from engine.sampling import sampler as sampler_module
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
@@ -27,7 +28,8 @@ def row(
     prompt: list[int] | None = None,
     generator: torch.Generator | None = None,
 ) -> SamplingRow:
-    return SamplingRow(params, prompt or [1, 2], output or [], generator)
+    stops = ending_token_ids(params, [EOS])
+    return SamplingRow(params, prompt or [1, 2], output or [], generator, stops)
 
 
 def random_logits(batch: int, vocab: int = VOCAB, seed: int = 0, scale: float = 1.0):
@@ -45,7 +47,7 @@ def drawn(sampler: Sampler, logits: torch.Tensor, params: SamplingParams) -> set
 
 @pytest.fixture
 def sampler() -> Sampler:
-    return Sampler(eos_token_ids=[EOS])
+    return Sampler()
 
 
 def test_greedy_is_argmax_and_logits_are_not_modified(sampler: Sampler) -> None:

@@ -57,8 +57,10 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
 class FakeEngine:
     """Schedules, "runs" the step, samples random tokens and finishes at max_tokens.
 
-    Invariant checked every step: after the step's writes, each scheduled sequence reads
-    back exactly its own tokens at positions [0, end) through its block table.
+    Invariants checked every step: the block tables rebuilt from the outputs alone (each
+    output's `freed`, then its `new_block_ids`, as a model runner keeps them) equal the block
+    manager's; after the step's writes, each scheduled sequence reads back exactly its own
+    tokens at positions [0, end) through its block table.
     """
 
     def __init__(self, scheduler: Scheduler, rng: random.Random, vocab_size: int = 50) -> None:
@@ -66,6 +68,7 @@ class FakeEngine:
         self.rng = rng
         self.vocab_size = vocab_size
         self.kv: dict[int, int] = {}
+        self.tables: dict[str, list[int]] = {}
         self.steps = 0
 
     @property
@@ -75,6 +78,11 @@ class FakeEngine:
     def step(self) -> SchedulerOutput:
         output = self.scheduler.schedule()
         check_output(self.scheduler, output)
+        for seq_id in output.freed:
+            del self.tables[seq_id]
+        for s in output.scheduled:
+            self.tables.setdefault(s.seq.seq_id, []).extend(s.new_block_ids)
+            assert self.tables[s.seq.seq_id] == self.manager.block_table(s.seq.seq_id)
         for s in output.scheduled:
             slots = self._slots(s.seq.seq_id, s.num_computed_tokens + s.num_new_tokens)
             self.kv.update(zip(slots[s.num_computed_tokens :], s.token_ids, strict=True))
@@ -82,12 +90,11 @@ class FakeEngine:
             end = s.num_computed_tokens + s.num_new_tokens
             seen = [self.kv.get(slot) for slot in self._slots(s.seq.seq_id, end)]
             assert seen == s.seq.get_token_ids(0, end), f"{s.seq.seq_id} reads wrong K/V"
-        sampled = {
-            s.seq.seq_id: self.rng.randrange(self.vocab_size) for s in output.scheduled if s.samples
-        }
-        for seq in self.scheduler.update(output, sampled):
-            if seq.num_output_tokens >= seq.max_tokens:
-                self.scheduler.finish(seq, "length")
+        sampling = output.sampling
+        self.scheduler.update(output, [self.rng.randrange(self.vocab_size) for _ in sampling])
+        for s in sampling:
+            if s.seq.num_output_tokens >= s.seq.max_tokens:
+                self.scheduler.finish(s.seq, "length")
         self.steps += 1
         return output
 
@@ -100,5 +107,5 @@ class FakeEngine:
     def _slots(self, seq_id: str, num_tokens: int) -> list[int]:
         """The cache slots of positions [0, num_tokens) through the block table."""
         block_size = self.manager.block_size
-        table = self.manager.block_table(seq_id)
+        table = self.tables[seq_id]
         return [table[p // block_size] * block_size + p % block_size for p in range(num_tokens)]

@@ -268,9 +268,9 @@ def test_misuse_fails_loudly() -> None:
     with pytest.raises(ValueError, match="empty prompt"):
         scheduler.add(Sequence("empty", "empty", [], max_tokens=1))
     output = scheduler.schedule()
-    scheduler.update(output, {"req": 1})
+    scheduler.update(output, [1])
     with pytest.raises(RuntimeError, match="update"):
-        scheduler.update(output, {"req": 1})
+        scheduler.update(output, [1])
     scheduler.finish(seq, "stop")
     with pytest.raises(ValueError, match="not an unfinished"):
         scheduler.finish(seq, "stop")

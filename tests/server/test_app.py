@@ -10,7 +10,7 @@ import httpx
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
-from engine.model.loader import ModelLoadError
+from engine.errors import ModelLoadError
 from server.app import build_app
 from tests.server.conftest import client, engine_metrics, live_server, tiny_config, wait_healthy
 

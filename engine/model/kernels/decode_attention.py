@@ -31,7 +31,7 @@ from types import ModuleType
 
 import torch
 
-from engine.model.loader import cache_root
+from engine.config import cache_root
 
 logger = logging.getLogger(__name__)
 

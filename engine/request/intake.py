@@ -1,0 +1,121 @@
+"""Request intake: prompts in (text, token ids or a chat), validated engine requests out.
+
+Every path into the engine, the offline `LLM` and the server alike, goes through a
+`RequestProcessor`, so a prompt is rendered, tokenized and checked exactly once, and the
+result is what the engine schedules. It needs no torch: the server runs it on a worker
+thread of its own, off the event loop and off the engine thread.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from jinja2 import TemplateError
+
+from engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+# One prompt: text, or token ids.
+Prompt = str | list[int]
+# One chat message as the tokenizer's chat template reads it: {"role": ..., "content": ...}.
+Message = dict[str, Any]
+
+
+class ChatTemplateError(ValueError):
+    """The chat template rejected the conversation (say, roles that do not alternate)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequest:
+    """A prompt and its sampling settings, ready for `LLMEngine.add_request`.
+
+    Invariants (a `RequestProcessor` made it): `prompt_token_ids` is not empty and every id
+    is in the model's vocabulary; `max_tokens` is the request's limit on output tokens (its
+    own `max_tokens`, else the room left in the context), and the prompt plus `max_tokens`
+    fit in `max_model_len`. `prompt` is the prompt's text when it came as text.
+    """
+
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    prompt: str | None = None
+
+
+class RequestProcessor:
+    """Renders, tokenizes and validates prompts for one engine.
+
+    Not thread-safe: it owns `tokenizer`, and a Hugging Face fast tokenizer keeps mutable
+    truncation and padding state, so a processor used on another thread than the engine's
+    gets a tokenizer of its own.
+    """
+
+    def __init__(
+        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+
+    def from_prompt(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
+        """Raises ValueError, with the numbers, for a prompt the engine can never serve."""
+        if isinstance(prompt, str):
+            return self._checked(self.tokenizer.encode(prompt), params, prompt)
+        return self._checked(list(prompt), params, None)
+
+    def from_chat(self, messages: list[Message], params: SamplingParams) -> EngineRequest:
+        """The conversation through the tokenizer's chat template, assistant turn opened."""
+        try:
+            token_ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        except (TemplateError, ValueError) as exc:
+            raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
+        return self._checked(list(token_ids), params, None)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def _checked(
+        self, token_ids: list[int], params: SamplingParams, prompt: str | None
+    ) -> EngineRequest:
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
+            bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+            raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        if len(token_ids) + (params.max_tokens or 1) > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {len(token_ids)} prompt tokens plus max_tokens="
+                f"{params.max_tokens}; shorten the prompt or lower max_tokens"
+            )
+        max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
+        return EngineRequest(token_ids, params, max_tokens, prompt)
+
+
+def as_prompt_list(value: object, *, mixed: bool = False) -> list[Prompt]:
+    """Accept a string, token ids, or a non-empty list of prompts: all strings or all
+    token-id lists (OpenAI's shapes), or either kind in any order when `mixed`."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list | tuple) and value:
+        if _is_token_ids(value):
+            return [list(value)]
+        is_text = [isinstance(item, str) for item in value]
+        is_ids = [isinstance(item, list | tuple) and _is_token_ids(item) for item in value]
+        if all(is_text) or all(is_ids) or (mixed and all(map(operator.or_, is_text, is_ids))):
+            return [item if isinstance(item, str) else list(item) for item in value]
+    kinds = "a list of strings and token-id lists" if mixed else "a list of token-id lists"
+    raise ValueError(
+        f"prompt must be a string, a list of strings, a list of token ids or {kinds}, and not empty"
+    )
+
+
+def _is_token_ids(items: Sequence[Any]) -> bool:
+    # bool is an int subclass, but `true` is not a token id.
+    return all(isinstance(i, int) and not isinstance(i, bool) for i in items)
