@@ -43,7 +43,10 @@ class EngineConfig(BaseModel):
     # Decode attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
     # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.
     attention_backend: Literal["auto", "torch", "cpp"] = "auto"
-    seed: int = 0
+    # Seeds the generator that sampled requests without a `seed` of their own draw from,
+    # so a restarted engine given the same requests in the same order repeats itself;
+    # null draws from torch's global RNG instead.
+    seed: int | None = 0
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

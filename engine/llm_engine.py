@@ -37,9 +37,11 @@ class EngineStats:
     num_waiting: int
     num_kv_blocks: int
     used_kv_blocks: int
+    cached_free_kv_blocks: int
     kv_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    prefix_cache_evictions: int
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions: int
@@ -256,9 +258,11 @@ class LLMEngine:
             num_waiting=self.scheduler.num_waiting,
             num_kv_blocks=cache.num_blocks,
             used_kv_blocks=cache.used_blocks,
+            cached_free_kv_blocks=cache.cached_blocks,
             kv_usage=cache.usage,
             prefix_cache_queries=cache.prefix_queries,
             prefix_cache_hits=cache.prefix_hits,
+            prefix_cache_evictions=cache.evictions,
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions,

@@ -40,6 +40,10 @@ class EngineStatsCollector(Collector):
             "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use (0..1).", stats.kv_usage),
             "kv_cache_used_blocks": ("KV-cache blocks held by requests.", stats.used_kv_blocks),
             "kv_cache_blocks": ("KV-cache blocks in total.", stats.num_kv_blocks),
+            "kv_cache_cached_free_blocks": (
+                "Free KV-cache blocks that still hold a prefix a later request can reuse.",
+                stats.cached_free_kv_blocks,
+            ),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
@@ -51,6 +55,10 @@ class EngineStatsCollector(Collector):
             "prefix_cache_hits": (
                 "Prompt tokens served from the prefix cache.",
                 stats.prefix_cache_hits,
+            ),
+            "prefix_cache_evictions": (
+                "Cached prefix blocks dropped because their block was taken for new use.",
+                stats.prefix_cache_evictions,
             ),
             "prompt_tokens": (
                 "Prompt tokens computed or served from the cache.",

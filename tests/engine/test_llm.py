@@ -72,6 +72,26 @@ def test_logprobs_are_reported_per_token(llm: LLM):
         assert entry.token_id == token
         assert len(entry.top) == 3 and entry.top[0][0] == token  # greedy picks the best
         assert entry.logprob <= 0
+        # Token texts are decoded by the engine, each token alone.
+        decode = llm.get_tokenizer().decode
+        assert entry.token == decode([token])
+        assert entry.top_tokens == [decode([top_id]) for top_id, _ in entry.top]
+
+
+def test_the_engine_seed_makes_unseeded_sampling_repeatable(tiny_model_paths: dict[str, Path]):
+    params = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, n=2)
+    prompts = ["Continuous batching", "Paged attention"]
+
+    def sampled(seed: int) -> list[list[int]]:
+        llm = LLM(
+            str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB", seed=seed
+        )
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [c.token_ids for o in outputs for c in o.outputs]
+
+    first = sampled(7)
+    assert sampled(7) == first
+    assert sampled(8) != first
 
 
 def test_chat_uses_the_template(llm: LLM):

@@ -6,6 +6,7 @@ import random
 
 import pytest
 
+import cache.block_hash
 from cache.block_manager import BlockManager
 from scheduler import Scheduler, Sequence, SequenceStatus
 from tests.scheduler.fake_engine import FakeEngine, add_request
@@ -276,3 +277,28 @@ def test_misuse_fails_loudly() -> None:
         scheduler.finish(seq, "stop")
     with pytest.raises(ValueError):
         Scheduler(engine.manager, max_num_seqs=0, max_num_batched_tokens=8)
+
+
+def test_each_block_of_a_sequence_is_hashed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A head that waits for blocks for several steps and a sequence that grows by
+    decoding each hash every one of their full blocks once (the scheduler keeps the
+    hashes on the sequence)."""
+    hashed: list[tuple[int | None, tuple[int, ...]]] = []
+    original = cache.block_hash.hash_block
+
+    def counting(parent: int | None, tokens: list[int]) -> int:
+        hashed.append((parent, tuple(tokens)))
+        return original(parent, tokens)
+
+    monkeypatch.setattr(cache.block_hash, "hash_block", counting)
+    engine = make_engine(12, 4, max_num_seqs=2, max_num_batched_tokens=64)
+    (running,) = add_request(engine.scheduler, "running", prompt(36), max_tokens=8)
+    engine.step()
+    (waiting,) = add_request(engine.scheduler, "waiting", prompt(20, start=7), max_tokens=4)
+    for _ in range(5):  # 10 of 12 blocks are taken: the head must wait every step
+        engine.step()
+        assert waiting.status is SequenceStatus.WAITING
+    engine.run()
+    assert running.num_output_tokens == 8 and waiting.num_output_tokens == 4
+    assert len(hashed) == len(set(hashed)), "a block was hashed twice"
+    assert len(hashed) <= running.num_tokens // 4 + waiting.num_tokens // 4

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
@@ -80,3 +82,50 @@ def test_apps_have_their_own_registries(tiny_model_paths: dict[str, Path]) -> No
     # Before an engine exists only the histograms are exported.
     assert b"pagedserve_e2e_request_latency_seconds" in first.state.server.metrics.render()
     assert b"num_requests_running" not in second.state.server.metrics.render()
+
+
+def test_metrics_show_prefix_blocks_kept_after_a_request(tiny_server: str) -> None:
+    prompt = "Paged attention keeps keys and values in fixed-size blocks. " * 4
+    client(tiny_server).completions.create(model="tiny", prompt=prompt, max_tokens=2)
+    after = engine_metrics(tiny_server)
+    # Its full prompt blocks were registered, then freed with their hashes kept.
+    assert after["pagedserve_kv_cache_cached_free_blocks"] >= 2
+    assert after["pagedserve_prefix_cache_evictions_total"] >= 0
+
+
+def test_a_bug_while_loading_is_logged_with_its_traceback(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Only failures the settings caused are one-line errors; a ValueError from a bug is not."""
+    failures: list[BaseException] = []
+
+    def buggy_factory(config: EngineConfig) -> AsyncLLM:
+        raise ValueError("a bug, not a setting")
+
+    config = tiny_config(tmp_path / "unused")
+    with (
+        caplog.at_level(logging.ERROR, logger="server.app"),
+        live_server(
+            config, wait_ready=False, llm_factory=buggy_factory, on_load_error=failures.append
+        ),
+    ):
+        while not failures:
+            time.sleep(0.02)
+    (record,) = [r for r in caplog.records if r.name == "server.app"]
+    assert record.exc_info is not None and "cannot start the engine" in record.getMessage()
+
+
+def test_a_settings_error_while_loading_is_one_line(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    failures: list[BaseException] = []
+    with (
+        caplog.at_level(logging.ERROR, logger="server.app"),
+        live_server(
+            tiny_config(tmp_path / "no-such-model"), wait_ready=False, on_load_error=failures.append
+        ),
+    ):
+        while not failures:
+            time.sleep(0.02)
+    (record,) = [r for r in caplog.records if r.name == "server.app"]
+    assert record.exc_info is None and "not found" in record.getMessage()

@@ -1,0 +1,59 @@
+"""The runner's block tables, kept from the scheduler's outputs alone, match the block
+manager's at every step: through admissions, growth, preemptions, finishes and aborts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from engine import LLM, SamplingParams
+from engine.model.block_tables import BlockTables
+from scheduler import ScheduledSequence, SchedulerOutput, Sequence
+from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES
+
+
+def _item(seq_id: str, new_blocks: list[int]) -> ScheduledSequence:
+    return ScheduledSequence(Sequence(seq_id, seq_id, [1], 1), 1, 0, True, new_blocks)
+
+
+def test_rows_follow_new_blocks_and_freed_sequences() -> None:
+    tables = BlockTables(max_num_seqs=2, max_blocks_per_seq=4)
+    tables.update(SchedulerOutput([_item("a", [5, 6]), _item("b", [7])]))
+    tables.update(SchedulerOutput([_item("a", []), _item("b", [2, 9])]))
+    a, b = tables.row("a"), tables.row("b")
+    assert tables.table[a].tolist() == [5, 6, 0, 0] and tables.lengths[a] == 2
+    assert tables.table[b].tolist() == [7, 2, 9, 0] and tables.lengths[b] == 3
+    # A freed sequence's row is cleared before the step's admissions take rows.
+    tables.update(SchedulerOutput([_item("a", [3])], freed=["a", "b"]))
+    assert tables.table[tables.row("a")].tolist() == [3, 0, 0, 0]
+    assert int(np.count_nonzero(tables.table)) == 1
+
+
+def test_engine_tables_match_the_block_manager_every_step(tiny_model_paths: dict[str, Path]):
+    # 40 blocks of 4 tokens: the requests below run out of blocks and preempt each other.
+    llm = LLM(
+        str(tiny_model_paths["llama"]), dtype="float32", block_size=4, max_model_len=128,
+        kv_cache_memory=40 * TINY_BLOCK_BYTES, max_num_batched_tokens=24,
+    )  # fmt: skip
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    for i in range(6):
+        engine.add_request(f"r{i}", engine.processor.from_prompt(f"prompt {i} " * (i + 2), params))
+    manager, tables = engine.scheduler.block_manager, engine.runner.block_tables
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+        if steps == 10:
+            engine.abort_request("r1")
+        # Freed sequences leave the runner at the next step's update, so compare the
+        # sequences that hold blocks in both.
+        for seq_id in manager._seqs.keys() & tables._rows.keys():
+            row = tables.row(seq_id)
+            kept = tables.table[row, : tables.lengths[row]].tolist()
+            assert kept == manager.block_table(seq_id), f"step {steps}: {seq_id}"
+        assert manager._seqs.keys() <= tables._rows.keys()
+    assert engine.stats().num_preemptions > 0
+    engine.step()  # an empty step still delivers the last frees
+    assert not tables._rows and int(np.count_nonzero(tables.table)) == 0
