@@ -16,10 +16,10 @@ from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
+from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
-from engine.request.token_texts import TokenTexts
 from engine.sampling.sampler import Sampler, SamplerOutput
 from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 

@@ -34,7 +34,6 @@ from server.protocol import (
     ChatStreamChoice,
     Usage,
 )
-from server.sampling import sampling_params
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
 
@@ -60,7 +59,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     with user_errors(_FIELDS, aliases={"logprobs": "top_logprobs"}):
-        params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+        params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         try:
             prompt = await llm.process_chat(conversation(body.messages), params)
         except ChatTemplateError as exc:

@@ -22,7 +22,6 @@ from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.logprobs import CompletionLogprobsFormatter
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
-from server.sampling import sampling_params
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
 
@@ -44,7 +43,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.echo and body.logprobs is not None:
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS):
-        params = sampling_params(body, max_tokens=body.max_tokens, logprobs=body.logprobs)
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
         prompts = [await llm.process(prompt, params) for prompt in body.prompt]
     if body.echo:
         prefixes = [p if isinstance(p, str) else await llm.decode(p) for p in body.prompt]

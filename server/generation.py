@@ -3,17 +3,19 @@
 One API request with several prompts becomes one engine request per prompt, with ids
 `<request id>-<prompt index>`; a request's choice `prompt_index * n + sample_index`.
 The engine's outputs are deltas: streams send them on as they come, and a whole response
-accumulates them (`RequestOutput.add`).
+accumulates them (`RequestOutput.add`). The prompts' streams are interleaved as their
+outputs arrive (`merge_streams`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from contextlib import aclosing
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, TypeVar
 
-from server.merge import merge_streams
 from server.protocol import PromptTokensDetails, Usage
 from server.state import ServerState
 
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput
     from engine.request.intake import EngineRequest
+
+
+T = TypeVar("T")
 
 
 def new_request_id(prefix: str) -> str:
@@ -70,3 +75,44 @@ def count_usage(outputs: Sequence[RequestOutput]) -> Usage:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
+
+
+@dataclass(slots=True)
+class _Ended:
+    error: Exception | None
+
+
+async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
+    """Yield `(index of the stream, item)` from all `streams` concurrently.
+
+    Each stream is consumed by its own task. When this generator ends (exhausted, closed,
+    cancelled, or re-raising the first error of a stream) every task has been cancelled
+    and awaited, so each stream still running has seen the cancellation: an engine
+    stream aborts its request then.
+    """
+    arrivals: asyncio.Queue[tuple[int, T] | _Ended] = asyncio.Queue()
+
+    async def pump(index: int, stream: AsyncIterator[T]) -> None:
+        try:
+            async for item in stream:
+                arrivals.put_nowait((index, item))
+        except Exception as exc:
+            arrivals.put_nowait(_Ended(exc))
+        else:
+            arrivals.put_nowait(_Ended(None))
+
+    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            arrival = await arrivals.get()
+            if isinstance(arrival, _Ended):
+                if arrival.error is not None:
+                    raise arrival.error
+                running -= 1
+            else:
+                yield arrival
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

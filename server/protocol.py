@@ -13,6 +13,24 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_serializer
 
 from engine.request.intake import Prompt, as_prompt_list
+from engine.sampling.params import SamplingParams
+
+# Request fields that carry over to SamplingParams under the same name.
+_SAMPLING_FIELDS = (
+    "n",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+)
 
 
 class _Request(BaseModel):
@@ -48,6 +66,13 @@ class SamplingRequest(_Request):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        """The request as `SamplingParams`; fields left out or null keep its defaults.
+        Raises ValueError naming the parameter when a value is out of range."""
+        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        values = {name: value for name, value in given.items() if value is not None}
+        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
 
 
 class CompletionRequest(SamplingRequest):

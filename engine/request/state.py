@@ -8,11 +8,9 @@ import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from engine.outputs import RequestMetrics, RequestOutput
-from engine.request.detokenizer import IncrementalDetokenizer
+from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
-from engine.request.sample import SampleState, ending_token_ids
-from engine.request.stop_checker import StopChecker
-from engine.request.token_texts import TokenTexts
+from engine.request.sample import SampleState, StopChecker, ending_token_ids
 from engine.sampling.sampler import SamplingRow, seeded_generator
 from scheduler import Sequence
 
