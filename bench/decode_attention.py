@@ -12,13 +12,13 @@ GB/s is the K/V bytes the rows attend over per kernel median: the memory-bound f
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
+from cache import cdiv
 from engine.model.attention import _decode_attention
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.kernels.decode_attention import KernelUnavailableError, paged_decode_attention
@@ -34,7 +34,7 @@ class Setup:
     def __init__(self, batch: int, dtype: torch.dtype, seed: int = 0) -> None:
         generator = torch.Generator().manual_seed(seed)
         self.context_lens = torch.randint(*CONTEXT_RANGE, (batch,), generator=generator)
-        width = math.ceil(CONTEXT_RANGE[1] / BLOCK_SIZE)
+        width = cdiv(CONTEXT_RANGE[1], BLOCK_SIZE)
         num_blocks = batch * width
         shape = (NUM_LAYERS, 2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
         self.kv_cache = torch.randn(shape, generator=generator).to(dtype)

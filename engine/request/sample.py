@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.outputs import CompletionOutput, TokenLogprobs
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
@@ -118,7 +118,7 @@ class SampleState:
     token_texts: TokenTexts
     pending_logprobs: list[TokenLogprobs] | None
     stop_reason: int | str | None = None
-    sent_tokens: int = field(default=0)
+    sent_tokens: int = 0
 
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
         """Account for the token just appended to `seq`; return why the sample ends, or None.
