@@ -252,7 +252,7 @@ class LLMEngine:
             del self._samples[sample.seq.seq_id]
 
     def stats(self) -> EngineStats:
-        cache = self.scheduler.block_manager.stats()
+        cache = self.scheduler.cache_stats()
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,

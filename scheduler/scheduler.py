@@ -6,7 +6,7 @@ import time
 from collections import deque
 from collections.abc import Sequence as SequenceOf
 
-from cache import AllocStatus, BlockManager, cdiv
+from cache import AllocStatus, BlockManager, CacheStats, cdiv
 from scheduler.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
 
@@ -135,6 +135,9 @@ class Scheduler:
         for seq in aborted:
             self.finish(seq, "abort")
         return aborted
+
+    def cache_stats(self) -> CacheStats:
+        return self.block_manager.stats()
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache registration (after a step whose K/V may be unwritten)."""

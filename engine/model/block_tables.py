@@ -33,9 +33,10 @@ class BlockTables:
         for item in batch.scheduled:
             if not item.new_block_ids:
                 continue
-            row = self._rows.get(item.seq.seq_id)
-            if row is None:
-                row = self._rows[item.seq.seq_id] = self._free_rows.pop()
+            seq_id = item.seq.seq_id
+            if seq_id not in self._rows:
+                self._rows[seq_id] = self._free_rows.pop()
+            row = self._rows[seq_id]
             start = self.lengths[row]
             end = start + len(item.new_block_ids)
             self.table[row, start:end] = item.new_block_ids

@@ -107,5 +107,5 @@ class TokenTexts:
     def text(self, token_id: int) -> str:
         text = self._texts.get(token_id)
         if text is None:
-            text = self._texts[token_id] = self._tokenizer.decode([token_id])
+            text = self._texts[token_id] = str(self._tokenizer.decode([token_id]))
         return text

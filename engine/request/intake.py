@@ -70,7 +70,7 @@ class RequestProcessor:
     def from_chat(self, messages: list[Message], params: SamplingParams) -> EngineRequest:
         """The conversation through the tokenizer's chat template, assistant turn opened."""
         try:
-            token_ids = self.tokenizer.apply_chat_template(
+            token_ids: list[int] = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         except (TemplateError, ValueError) as exc:
@@ -78,7 +78,7 @@ class RequestProcessor:
         return self._checked(list(token_ids), params, None)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(token_ids)
+        return str(self.tokenizer.decode(list(token_ids)))
 
     def _checked(
         self, token_ids: list[int], params: SamplingParams, prompt: str | None
