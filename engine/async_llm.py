@@ -1,9 +1,9 @@
 """AsyncLLM: the engine behind the server, stepping in a background thread.
 
 Three threads share the work of a request. The event loop's coroutines only await: the
-intake thread renders, tokenizes and validates prompts with a tokenizer of its own, at
-the lowest CPU priority; the engine thread owns the engine and all torch work. A
-100k-character prompt takes the intake 0.1-0.3 s of CPU, and every stream keeps flowing
+intake thread renders, tokenizes and validates prompts with a tokenizer of its own, at a
+lowered CPU priority; the engine thread owns the engine and all torch work. A
+100k-character prompt takes the intake about 0.1 s of CPU, and streams keep flowing
 meanwhile. The event loop never
 touches engine state: `generate` posts commands on a queue that the engine thread drains
 before each step, and the thread posts each request's outputs back to that request's
@@ -36,17 +36,21 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-def _yield_the_cpu() -> None:
-    """Give the calling thread the lowest scheduling priority (Linux: per thread).
+# The intake thread's nice value. A busy intake at normal priority slows the engine beyond
+# its share of the CPU (each OpenMP region of a step waits for the worker it took the core
+# from); at the lowest it waits for idle CPU, which a busy engine rarely leaves. Measured
+# by `python -m bench.intake` on 2 cores, 8 streams, a 100k-character prompt (intake
+# time; longest overlapping step against the median): SmolLM2-135M in fp32 (83 ms steps)
+# nice 0: 0.06-0.11 s, 123-139 ms; nice 10: 0.37-0.54 s, 94-118 ms; nice 19: 2.3-3.3 s,
+# 89-109 ms. A tiny model (2.2 ms steps): 0.09-0.13 s, 12-66 ms; 0.57-0.75 s, 7-18 ms;
+# 2.1-2.2 s, 7-9 ms.
+INTAKE_NICE = 10
 
-    A busy intake thread at normal priority slows the engine far beyond its share of the
-    CPU: each OpenMP region of a step waits for a worker the intake took the core from.
-    Measured on 2 cores while a 100k-character prompt was tokenized beside 8 running
-    streams: steps of 3-5 ms took up to 30-110 ms at normal priority and at most 8-16 ms
-    at the lowest; the intake itself then takes longer, from 0.2 s to 0.7-1.2 s.
-    """
+
+def _yield_the_cpu() -> None:
+    """Lower the calling thread's scheduling priority to INTAKE_NICE (Linux: per thread)."""
     with contextlib.suppress(AttributeError, OSError):  # no per-thread priorities here
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), INTAKE_NICE)
 
 
 @dataclass(slots=True)
