@@ -45,8 +45,8 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "cpp"] = "auto"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
-    # null draws from torch's global RNG instead.
-    seed: int | None = 0
+    # null (the default) leaves them to torch's global RNG, different in every process.
+    seed: int | None = None
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
