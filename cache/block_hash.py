@@ -23,13 +23,18 @@ def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     return xxhash.xxh3_64_intdigest(head + array("q", token_ids).tobytes())
 
 
-def extend_block_hashes(hashes: list[int], token_ids: Sequence[int], block_size: int) -> None:
-    """Extend `hashes` in place to the chained hash of every full block of `token_ids`.
+def extend_block_hashes(
+    hashes: list[int], token_ids: Sequence[int], block_size: int, num_blocks: int | None = None
+) -> None:
+    """Extend `hashes` in place to the chained hashes of the first `num_blocks` full blocks
+    of `token_ids` (all of them by default).
 
     Invariant kept: `hashes[i]` is block i's hash chained onto `hashes[i - 1]`, over
     `token_ids[i * block_size:(i + 1) * block_size]`. Only the blocks not yet hashed are
     hashed, so a caller that keeps the list while the tokens grow hashes each block once.
     """
-    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
+    full = len(token_ids) // block_size
+    end = full if num_blocks is None else min(num_blocks, full)
+    for start in range(len(hashes) * block_size, end * block_size, block_size):
         parent = hashes[-1] if hashes else None
         hashes.append(hash_block(parent, token_ids[start : start + block_size]))

@@ -179,10 +179,11 @@ class BlockManager:
                 f"{len(token_ids)} tokens and {len(seq.blocks)} blocks"
             )
         size = self.block_size
-        if seq.num_hashed >= num_tokens // size or seq.prefix_id is None:
+        num_full = num_tokens // size
+        if seq.num_hashed >= num_full or seq.prefix_id is None:
             return
-        hashes = self._hashes(token_ids[:num_tokens], block_hashes)
-        while seq.num_hashed < num_tokens // size and seq.prefix_id is not None:
+        hashes = self._hashes(token_ids, num_full, block_hashes)
+        while seq.num_hashed < num_full and seq.prefix_id is not None:
             start = seq.num_hashed * size
             tokens = tuple(token_ids[start : start + size])
             block_hash = hashes[seq.num_hashed]
@@ -254,13 +255,15 @@ class BlockManager:
             evictions=self._evictions,
         )
 
-    def _hashes(self, token_ids: Sequence[int], block_hashes: list[int] | None) -> list[int]:
-        """The chained hashes of the full blocks of `token_ids` (at least), hashing only
-        what `block_hashes` does not already hold."""
+    def _hashes(
+        self, token_ids: Sequence[int], num_blocks: int, block_hashes: list[int] | None
+    ) -> list[int]:
+        """The chained hashes of (at least) the first `num_blocks` full blocks of
+        `token_ids`, hashing only what `block_hashes` does not already hold."""
         if block_hashes is None:
             block_hashes = []
-        if len(block_hashes) < len(token_ids) // self.block_size:
-            extend_block_hashes(block_hashes, token_ids, self.block_size)
+        if len(block_hashes) < num_blocks:
+            extend_block_hashes(block_hashes, token_ids, self.block_size, num_blocks)
         return block_hashes
 
     def _find_cached_prefix(
@@ -275,7 +278,7 @@ class BlockManager:
             return []
         size = self.block_size
         num_candidates = (len(token_ids) - 1) // size
-        hashes = self._hashes(token_ids[: num_candidates * size], block_hashes)
+        hashes = self._hashes(token_ids, num_candidates, block_hashes)
         hits: list[KVCacheBlock] = []
         parent_id: int | None = _EMPTY_PREFIX
         for index in range(num_candidates):

@@ -4,10 +4,10 @@ Three threads share the work of a request. The event loop's coroutines only awai
 intake thread renders, tokenizes and validates prompts with a tokenizer of its own, at a
 lowered CPU priority; the engine thread owns the engine and all torch work. A
 100k-character prompt takes the intake about 0.1 s of CPU, and streams keep flowing
-meanwhile. The event loop never
-touches engine state: `generate` posts commands on a queue that the engine thread drains
-before each step, and the thread posts each request's outputs back to that request's
-asyncio queue. While no request is unfinished the thread sleeps on the command queue.
+meanwhile. The event loop never touches engine state: `generate` posts commands on a
+queue that the engine thread drains before each step, and the thread posts each
+request's outputs back to that request's asyncio queue. While no request is unfinished
+the thread sleeps on the command queue.
 """
 
 from __future__ import annotations

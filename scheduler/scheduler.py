@@ -81,14 +81,14 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         """Decide this step's batch: running sequences first, then waiting ones (FCFS)."""
-        output = SchedulerOutput(freed=self._freed)
-        self._freed = []
+        output = SchedulerOutput()
         token_budget = self._schedule_running(output)
         # After a preemption the blocks left belong to the running sequences' growth: admitting
         # now would run the victim in the step it was preempted from, or hand them to a
         # newcomer that the next step would preempt again.
         if not output.preempted:
             self._admit_waiting(output, token_budget)
+        output.freed, self._freed = self._freed, []
         return output
 
     def update(self, output: SchedulerOutput, token_ids: SequenceOf[int]) -> None:
@@ -178,7 +178,6 @@ class Scheduler:
             victim = next(reversed(self._running.values()))
             self._preempt(victim)
             output.preempted.append(victim)
-            output.freed.append(victim.seq_id)
             if victim is seq:
                 return None
         return new_blocks
@@ -188,7 +187,7 @@ class Scheduler:
         # front of the queue so the sequence is the next admitted. Preempting newest first
         # and pushing each to the front keeps the preempted ones in admission order.
         del self._running[seq.seq_id]
-        self.block_manager.free(seq.seq_id)
+        self._free_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1

@@ -111,7 +111,6 @@ class SampleState:
     """
 
     seq: Sequence
-    params: SamplingParams
     row: SamplingRow
     detokenizer: IncrementalDetokenizer
     stop: StopChecker
@@ -133,7 +132,7 @@ class SampleState:
             self.pending_logprobs.append(logprobs)
         reason: FinishReason | None = None
         if token_id in self.row.stop_token_ids:
-            if token_id in self.params.stop_token_ids:
+            if token_id in self.row.params.stop_token_ids:
                 self.stop_reason = token_id
             reason = "stop"
         else:

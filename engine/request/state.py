@@ -47,7 +47,6 @@ class RequestState:
             state.samples.append(
                 SampleState(
                     seq=seq,
-                    params=params,
                     row=row,
                     detokenizer=IncrementalDetokenizer(
                         tokenizer, prompt_ids, params.skip_special_tokens

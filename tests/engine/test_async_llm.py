@@ -148,3 +148,21 @@ def test_a_load_failure_is_raised_to_the_caller(tmp_path: Path):
     with pytest.raises(ModelLoadError):
         AsyncLLM.from_config(EngineConfig(model=str(tmp_path / "no-such-model")))
     assert engine_threads() == before
+
+
+def test_a_prompt_is_tokenized_once_on_the_intake_thread(
+    llm: AsyncLLM, monkeypatch: pytest.MonkeyPatch
+):
+    calls: list[str] = []
+    tokenizer = llm._processor.tokenizer
+    encode = tokenizer.encode
+
+    def recording_encode(*args, **kwargs):
+        calls.append(threading.current_thread().name)
+        return encode(*args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "encode", recording_encode)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    text, _ = asyncio.run(collect(llm, "tokenized once", params, "once"))
+    assert text
+    assert len(calls) == 1 and calls[0].startswith("pagedserve-intake")

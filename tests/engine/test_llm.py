@@ -152,3 +152,18 @@ def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_model_path
 def test_auto_backend_runs_decode_through_the_cpp_kernel(llm: LLM):
     # This CPU has a compiler, and the tiny models' head_dim (32) is one the kernel takes.
     assert llm.engine.model.config._attn_implementation == ATTN_IMPLEMENTATION_CPP
+
+
+def test_engine_outputs_carry_only_what_each_step_added(llm: LLM):
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+    engine.add_request("deltas", engine.processor.from_prompt("Paged attention", params))
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    sample_outputs = [output.outputs[0] for output in outputs]
+    assert all(len(o.token_ids) <= 1 for o in sample_outputs)  # one token a step, never all
+    assert all(len(o.logprobs or []) == len(o.token_ids) for o in sample_outputs)
+    whole = llm.generate("Paged attention", params, use_tqdm=False)[0].outputs[0]
+    assert [t for o in sample_outputs for t in o.token_ids] == whole.token_ids
+    assert "".join(o.text for o in sample_outputs) == whole.text
