@@ -1,13 +1,24 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout, for the CPU.
 
-`torch.nn.functional.linear` on the CPU hands the weight to oneDNN (or MKL) in PyTorch's
-row-major layout at every call, and the library reorders it internally each time. For the
-small row counts of decode steps that reorder is a large share of the call: packing the
-weights once at load time makes SmolLM2's decode-step matmuls ~20% faster at batch 64 and
-up to ~2x faster at batch 1-16 in bf16. Results are bit-identical to `F.linear` in bf16
-(and in fp16 on CPUs whose oneDNN computes it; the tests check whichever this CPU
-has); in fp32 oneDNN may sum in another order (differences of about 1e-6 relative), so
-fp32 keeps `F.linear` and with it exact equality with transformers' `generate()`.
+Two reasons to run every CPU linear through oneDNN with a packed weight:
+
+- Row invariance. Each row of `x W^T` must have the same bits however many rows are
+  computed with it, or a request's output would depend on what else the engine runs
+  (see the README's "Deterministic outputs"). MKL's fp32 `F.linear`, which transformers
+  uses, sums remainder rows of small batches (1-3, 5-7 and 9-11 rows of a call on an AVX2
+  CPU) in another order than rows of large ones. oneDNN's packed linear gives every row
+  the same bits for any row count of at least two; a single row takes a path of its own
+  for bf16 on AVX-512 CPUs, so `PackedLinear` pads a one-row input to two rows.
+  `tests/engine/test_packed_linear.py` checks this on the CPU it runs on, for every
+  dtype packed there.
+- Speed. `F.linear` hands the weight to the library in row-major layout at every call,
+  and the library reorders it each time; at decode's small row counts that is a large
+  share of the call. Packed, SmolLM2's decode-step linears are about 2x faster at 2-8
+  rows in fp32 and equal from 128 rows up (bf16: ~20% faster at 64 rows, up to 2x at 1-16).
+
+The price: in fp32 oneDNN sums in another order than MKL, so logits differ from
+transformers' own by about 1e-6 relative (greedy tokens still equal `generate()`'s in
+the tests); in bf16 packing is bit-identical to `F.linear`.
 
 `pack_linear_layers` swaps each `nn.Linear` of a model for a `PackedLinear`; the packed
 copy replaces the original weight, which stays alive only where another module shares it
@@ -17,21 +28,26 @@ copy replaces the original weight, which stays alive only where another module s
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
 # path, for one, needs AVX512-FP16 or AVX-NE-CONVERT and refuses to reorder without).
 SUPPORT_CHECKS = {
+    torch.float32: None,
     torch.bfloat16: "_is_mkldnn_bf16_supported",
     torch.float16: "_is_mkldnn_fp16_supported",
 }
+# oneDNN's smallest row count whose rows share the bits of every larger call's rows.
+MIN_ROWS = 2
 
 
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with W held in oneDNN's blocked layout; inference only.
 
-    Invariant: `packed_weight` is `_reorder_linear_weight(W)` of the original `[out, in]`
-    weight; it is an opaque mkldnn tensor, so the module cannot be moved or trained.
+    Invariants: `packed_weight` is `_reorder_linear_weight(W)` of the original `[out, in]`
+    weight, an opaque mkldnn tensor, so the module cannot be moved or trained; a row of
+    the output depends only on the same row of the input, bit for bit.
     """
 
     def __init__(self, linear: nn.Linear) -> None:
@@ -45,6 +61,13 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows >= MIN_ROWS:
+            return self._linear(x)
+        padded = F.pad(x.reshape(rows, self.in_features), (0, 0, 0, MIN_ROWS - rows))
+        return self._linear(padded)[:rows].reshape(*x.shape[:-1], self.out_features)
+
+    def _linear(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed_weight, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
@@ -52,16 +75,17 @@ class PackedLinear(nn.Module):
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    """True on the CPU, for the dtypes where packing is exact (see module), when this torch
-    build and this CPU can run oneDNN's linear in that dtype."""
+    """True on the CPU, for the dtypes listed above, when this torch build and this CPU can
+    run oneDNN's linear in that dtype."""
     if device.type != "cpu" or dtype not in SUPPORT_CHECKS:
         return False
     if not torch.backends.mkldnn.is_available():
         return False
     mkldnn = torch.ops.mkldnn
+    if not all(hasattr(mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise")):
+        return False
     check = SUPPORT_CHECKS[dtype]
-    required = (check, "_reorder_linear_weight", "_linear_pointwise")
-    return all(hasattr(mkldnn, name) for name in required) and bool(getattr(mkldnn, check)())
+    return check is None or (hasattr(mkldnn, check) and bool(getattr(mkldnn, check)()))
 
 
 @torch.inference_mode()

@@ -1,4 +1,5 @@
-"""Packed linear layers: bit-identical to `F.linear` in bf16, swapped in by the engine."""
+"""Packed linear layers: row-invariant, bit-identical to `F.linear` in bf16, close to it in
+fp32, swapped in by the engine."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import engine.llm_engine
 from engine import LLM, SamplingParams
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
+CPU = torch.device("cpu")
 requires_bf16_packing = pytest.mark.skipif(
-    not can_pack(torch.device("cpu"), torch.bfloat16),
+    not can_pack(CPU, torch.bfloat16),
     reason="oneDNN cannot compute bf16 on this CPU",
 )
 
@@ -41,7 +43,7 @@ def test_can_pack_only_exact_dtypes_this_cpu_computes():
         mkldnn and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
     assert can_pack(cpu, torch.float16) == (mkldnn and torch.ops.mkldnn._is_mkldnn_fp16_supported())
-    assert not can_pack(cpu, torch.float32)
+    assert can_pack(cpu, torch.float32) == mkldnn
     assert not can_pack(torch.device("cuda"), torch.bfloat16)
 
 
@@ -53,6 +55,37 @@ def test_whatever_can_pack_allows_packs_and_runs(dtype: torch.dtype):
     x = torch.randn(3, 64).to(dtype)
     with torch.inference_mode():
         assert torch.equal(PackedLinear(linear)(x), F.linear(x, linear.weight, linear.bias))
+
+
+PACKED_DTYPES = [d for d in (torch.float32, torch.bfloat16, torch.float16) if can_pack(CPU, d)]
+
+
+@pytest.mark.parametrize("dtype", PACKED_DTYPES)
+@pytest.mark.parametrize(("in_features", "out_features"), [(576, 1536), (1536, 576), (64, 4096)])
+def test_a_rows_bits_do_not_depend_on_how_many_rows_run_with_it(
+    dtype: torch.dtype, in_features: int, out_features: int
+):
+    """Every row count a step can have, against the same rows inside a 600-row call."""
+    torch.manual_seed(in_features)
+    packed = PackedLinear(nn.Linear(in_features, out_features, bias=False, dtype=dtype))
+    x = torch.randn(600, in_features).to(dtype)
+    with torch.inference_mode():
+        reference = packed(x)
+        for rows in [*range(1, 41), 63, 64, 65, 127, 128, 200, 512]:
+            differing = (packed(x[:rows]) != reference[:rows]).any(dim=1).sum().item()
+            assert differing == 0, f"{differing} of {rows} rows differ"
+
+
+def test_fp32_packing_stays_close_to_f_linear_and_keeps_shapes():
+    if not can_pack(CPU, torch.float32):
+        pytest.skip("oneDNN is not available")
+    linear = nn.Linear(96, 160)
+    packed = PackedLinear(linear)
+    with torch.inference_mode():
+        for x in (torch.randn(1, 96), torch.randn(1, 1, 96), torch.randn(2, 5, 96)):
+            out = packed(x)
+            assert out.shape == (*x.shape[:-1], 160)
+            torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias))
 
 
 @requires_bf16_packing
