@@ -56,9 +56,9 @@ COPY bench /build/bench
 RUN pip install --no-deps /build
 # The kernel is built with -march=native for the CPU of the machine building the image; the
 # runtime stage loads it without a compiler. On a different CPU its folder name (a hash
-# of the CPU flags) does not match: the server logs one warning and decodes with torch.
-RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.decode_attention \
-import load_decode_kernel; assert load_decode_kernel() is not None"
+# of the CPU flags) does not match: the server logs one warning and attends with torch.
+RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
+import load_attention_kernel; assert load_attention_kernel() is not None"
 
 FROM base
 ARG CONFIG=configs/default.yaml

@@ -117,7 +117,7 @@ class InstrumentedEngine:
         runner.model = self.model.wrap(runner.model)
         engine.sampler.sample = self.sampling.wrap(engine.sampler.sample)  # type: ignore[method-assign]
         # The model looks its attention function up by name on every call; wrap the one
-        # this engine registered (the torch path or the C++ decode kernel's).
+        # this engine registered (a torch path or the C++ kernel's).
         self.attention_name = engine.model.config._attn_implementation
         self.attention_function = ALL_ATTENTION_FUNCTIONS[self.attention_name]
         AttentionInterface.register(

@@ -40,7 +40,7 @@ class EngineConfig(BaseModel):
     watermark: float = Field(0.01, ge=0, lt=1)
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
-    # Decode attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
+    # Attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
     # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.
     attention_backend: Literal["auto", "torch", "cpp"] = "auto"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,

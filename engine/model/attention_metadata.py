@@ -2,36 +2,64 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
 @dataclass(slots=True)
-class PrefillChunk:
-    """Query tokens `[token_start, token_end)` of the packed batch belonging to one sequence
-    whose context (cached tokens, earlier chunks and this chunk) is `context_len` tokens,
-    stored in `block_ids` in order."""
+class DecodePrefillSplit:
+    """The step's sequences sorted into decode rows (one query token) and prefill chunks,
+    for attention implementations that compute the two differently.
 
-    token_start: int
-    token_end: int
-    block_ids: torch.Tensor
-    context_len: int
+    `decode_rows` are the packed indices of the decode rows' tokens, with their block
+    tables and context lengths; `prefills` lists `(sequence, first row, end row)`.
+    """
+
+    decode_rows: torch.Tensor
+    decode_block_tables: torch.Tensor
+    decode_context_lens: torch.Tensor
+    prefills: list[tuple[int, int, int]]
 
 
 @dataclass(slots=True)
 class PagedAttentionMetadata:
-    """Where this step's new K/V go and what each query attends to.
+    """Where this step's new K/V go and what each query row attends to.
 
-    Invariants: `slot_mapping[i]` is the KV slot of packed token i; decode rows are
-    sequences with exactly one query token, `decode_block_tables[b]` lists row b's blocks
-    (padded with block 0) and `decode_context_lens[b]` is its context length; every
-    other sequence of the step appears once in `prefills`.
+    Invariants: `slot_mapping[i]` is the KV slot of packed token i; sequence b owns the
+    packed rows `[query_start[b], query_start[b + 1])`, the last rows of its context of
+    `context_lens[b]` tokens (cached tokens, earlier chunks and this step's), which
+    `block_tables[b]` stores in order (padded past its last block with block 0). The
+    `_host` arrays are CPU copies of `query_start` and `context_lens`, for Python-side
+    loops that must not wait on the device.
     """
 
     kv_cache: torch.Tensor
     slot_mapping: torch.Tensor
-    decode_token_index: torch.Tensor
-    decode_block_tables: torch.Tensor
-    decode_context_lens: torch.Tensor
-    prefills: list[PrefillChunk]
+    block_tables: torch.Tensor
+    query_start: torch.Tensor
+    context_lens: torch.Tensor
+    query_start_host: np.ndarray
+    context_lens_host: np.ndarray
+    _split: DecodePrefillSplit | None = field(default=None, repr=False)
+
+    def decode_prefill_split(self) -> DecodePrefillSplit:
+        """The split, computed on the first call of the step and kept for later layers."""
+        if self._split is None:
+            counts = np.diff(self.query_start_host)
+            decode = np.flatnonzero(counts == 1)
+            device = self.block_tables.device
+            index = torch.from_numpy(decode).to(device, non_blocking=True)
+            lens = self.context_lens_host[decode]
+            width = -(-int(lens.max()) // self.kv_cache.shape[3]) if decode.size else 0
+            self._split = DecodePrefillSplit(
+                decode_rows=torch.from_numpy(self.query_start_host[decode]).to(device),
+                decode_block_tables=self.block_tables[index, :width],
+                decode_context_lens=torch.from_numpy(lens).to(device),
+                prefills=[
+                    (int(b), int(self.query_start_host[b]), int(self.query_start_host[b + 1]))
+                    for b in np.flatnonzero(counts != 1)
+                ],
+            )
+        return self._split

@@ -9,7 +9,7 @@ import torch
 from transformers import PreTrainedModel
 
 from cache import cdiv
-from engine.model.attention_metadata import PagedAttentionMetadata, PrefillChunk
+from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.block_tables import BlockTables
 from scheduler import ScheduledSequence, SchedulerOutput
 
@@ -17,8 +17,8 @@ from scheduler import ScheduledSequence, SchedulerOutput
 class ModelRunner:
     """Packs the scheduled chunks into one batch, runs the model, returns sampling logits.
 
-    Decode rows (one token) attend in one batched computation; longer chunks are prefills.
-    Logits are computed only at the last position of each sampling chunk, in batch order.
+    Every token is a query row of paged attention (see `PagedAttentionMetadata`). Logits
+    are computed only at the last position of each sampling chunk, in batch order.
     Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
     call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
     """
@@ -55,7 +55,8 @@ class ModelRunner:
         row = np.asarray(rows, dtype=np.int64)
         count = np.asarray(counts, dtype=np.int64)
         start = np.asarray(starts, dtype=np.int64)
-        first = np.cumsum(count) - count  # each chunk's first index in the packed batch
+        query_start = np.concatenate(([0], np.cumsum(count)))
+        first = query_start[:-1]  # each chunk's first index in the packed batch
         if len(input_ids) == len(scheduled):  # a pure decode step: one token per sequence
             positions = start
             token_rows = row
@@ -65,26 +66,16 @@ class ModelRunner:
         slots = tables.table[token_rows, positions // block_size] * block_size
         slots += positions % block_size
 
-        decode = count == 1
-        decode_rows = row[decode]
-        context_lens = start[decode] + 1
-        width = cdiv(int(context_lens.max()), block_size) if decode_rows.size else 0
-        prefills = [
-            PrefillChunk(
-                int(first[i]),
-                int(first[i] + count[i]),
-                self._tensor(tables.table[row[i], : cdiv(int(start[i] + count[i]), block_size)]),
-                int(start[i] + count[i]),
-            )
-            for i in np.flatnonzero(~decode)
-        ]
+        context_lens = start + count
+        width = cdiv(int(context_lens.max()), block_size)
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=self._tensor(slots),
-            decode_token_index=self._tensor(first[decode]),
-            decode_block_tables=self._tensor(tables.table[decode_rows, :width]),
-            decode_context_lens=self._tensor(context_lens),
-            prefills=prefills,
+            block_tables=self._tensor(tables.table[row, :width]),
+            query_start=self._tensor(query_start),
+            context_lens=self._tensor(context_lens),
+            query_start_host=query_start,
+            context_lens_host=context_lens,
         )
         output = self.model(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64))[None],

@@ -80,5 +80,5 @@ def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
         assert 0 < profile.attention_ms < profile.step_ms
         assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
     # The timing wrapper is gone again: the engine's own registration (the torch function
-    # bound to the C++ decode kernel) is back in place.
+    # bound to the C++ kernel) is back in place.
     assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION_CPP].func is paged_attention_forward

@@ -1,11 +1,11 @@
-"""Prefill attention: causal over the chunk and everything cached before it."""
+"""Prefill in the gathered torch path (CUDA's): causal over the chunk and its cached past."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from engine.model.attention import _attend_causal
+from engine.model.torch_attention import attend_causal
 
 
 def reference_attention(q, keys, values, scale, group_size):
@@ -35,7 +35,7 @@ def test_prefill_attention_matches_reference(
     q = torch.randn(num_queries, num_kv_heads * group_size, head_dim, generator=generator)
     keys = torch.randn(context_len, num_kv_heads, head_dim, generator=generator)
     values = torch.randn(context_len, num_kv_heads, head_dim, generator=generator)
-    actual = _attend_causal(q.to(dtype), keys.to(dtype), values.to(dtype), 0.2, group_size)
+    actual = attend_causal(q.to(dtype), keys.to(dtype), values.to(dtype), 0.2, group_size)
     assert actual.shape == q.shape and actual.dtype == dtype
     expected = reference_attention(q, keys, values, 0.2, group_size)
     torch.testing.assert_close(actual.double(), expected, rtol=tolerance, atol=tolerance)

@@ -1,31 +1,48 @@
-// Paged decode attention on the CPU: one query token per sequence, attending over that
-// sequence's keys and values read in place from the paged KV cache.
+// Paged attention on the CPU: every query row, decoded or prefilled, attends over its
+// sequence's keys and values read in place from the paged KV cache, with one arithmetic.
 //
-// Shapes: q [B, H, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D] (one layer of the
-// paged KV tensor); block_tables [B, max_blocks]; context_lens [B]; output [B, H, D].
-// Token t of sequence b lives at block block_tables[b][t / block_size], offset
-// t % block_size. Query head h reads KV head h / G, where G = H / Hkv (grouped-query
-// attention; G = 1 is plain multi-head attention).
+// Shapes: q [T, H, D], the step's query tokens packed sequence by sequence; k_cache,
+// v_cache [num_blocks, block_size, Hkv, D] (one layer of the paged KV tensor);
+// block_tables [B, max_blocks]; query_start [B + 1]; context_lens [B]; output [T, H, D].
+// Sequence b owns query rows [query_start[b], query_start[b + 1]), the last rows of its
+// context of context_lens[b] tokens: its row i sits at position
+// p = context_lens[b] - query_start[b + 1] + i and attends to positions 0..p (causal).
+// A decode row is a sequence with one query row. Token t of sequence b lives at block
+// block_tables[b][t / block_size], offset t % block_size. Query head h reads KV head
+// h / G, where G = H / Hkv (grouped-query attention; G = 1 is plain multi-head attention).
 //
-// Algorithm. One work item is one sequence, not one (sequence, KV head) pair: the K rows
-// of all KV heads of a token are adjacent, so a sequence reads each block as one
-// contiguous piece, where a KV head alone would read every Hkv-th stretch of it (that was
-// about twice as slow from memory). The context is walked one KV block at a time, and
-// each block is one tile of an online softmax, per query head h:
-//   s[t]  = scale * <q[h], k[t]>                 for the tile's tokens t
+// Invariance. A row's result depends only on its query, its position and its context's
+// K/V, never on the other rows of the step: how many rows its sequence has this step (a
+// decode, a prefill chunk of any length, a recomputation after preemption), where the
+// chunk starts, or what other sequences run. Every row walks its context one KV block at
+// a time from block 0, always split at the same block boundaries, and folds each block
+// into an online softmax with the same operations, per query head h:
+//   s[t]  = <scale * q[h], k[t]>                 for the block's tokens t <= p
 //   m'    = max(m, max_t s[t])                   running maximum
 //   c     = exp(m - m')                          rescales what was summed under m
 //   l     = c * l + sum_t exp(s[t] - m')         running sum
 //   acc   = c * acc + sum_t exp(s[t] - m') * v[t]
-// and finally out[h] = acc / l. Nothing is gathered or padded: each block is read from
-// memory once, prefetched while the previous block is computed. In bf16 the G query
-// heads of a KV head are computed together, in runs of up to four, so that each K and V
-// vector is loaded and widened to fp32 once per run rather than once per head. All
-// arithmetic is fp32, and the result is rounded once when stored.
+// and finally out[h] = acc / l. The tokens of a block after p (not yet written, or
+// belonging to later rows) are never read. Rows are computed together only to share the
+// loads of K and V: a run of query vectors (heads of one KV head, of one or more rows)
+// goes through `attend_tile` together, and each vector's arithmetic there is the same
+// for any run length (the tests compare the bits). All arithmetic is fp32, and the result is rounded once when stored.
 //
-// Parallelism. Sequences go to OpenMP threads (torch's pool and thread count) with
-// dynamic scheduling, because context lengths differ and a static split of a batch
-// ordered by age would give one thread all the long sequences.
+// Memory. Nothing is gathered or padded. The K rows of all KV heads of a token are
+// adjacent, so one work item reads each block as one contiguous piece; while a decode row
+// computes a block it prefetches the next. A prefill chunk is cut into tiles of kRowTile
+// rows: a tile reads each block of its context once for all its rows, from cache. In
+// bf16 the query vectors of a KV head are computed in runs of up to four (see kMaxRun).
+//
+// Speed. Decode rows run as fast as before prefill joined them. Prefill rows are 4-12x
+// slower than torch's SDPA flash kernel (`bench.attention_kernel`): a query row's dot
+// products and its accumulation are vector code along head_dim, not a GEMM micro-kernel,
+// and with 16-lane vectors on AVX2 the accumulators spill.
+//
+// Parallelism. Work items (a decode row, or a tile of a prefill chunk) go to OpenMP
+// threads (torch's pool and thread count) with dynamic scheduling, because context
+// lengths differ and a static split of a batch ordered by age would give one thread all
+// the long sequences. A row is computed by one thread from start to end.
 //
 // Vectors. The inner loops use GCC/Clang vector extensions: a `Vec` is 16 fp32 lanes,
 // one AVX-512 register under -march=native (two AVX2 registers elsewhere). head_dim is a
@@ -36,12 +53,11 @@
 // Queries and accumulators use the same order, which a dot product does not see, and the
 // output is written back in natural order. Dot products are reduced 16 at a time with a
 // shuffle tree, and exp() is a short polynomial, because neither auto-vectorises without
-// -ffast-math.
+// -ffast-math. The source is C++17, the oldest standard torch's extension builder uses.
 
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -50,7 +66,16 @@
 
 namespace {
 
-static_assert(std::endian::native == std::endian::little, "bf16 loads assume little endian");
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bf16 loads assume little endian");
+
+// The bits of `from` as a `To` (std::bit_cast, which is C++20).
+template <typename To, typename From>
+inline To bits_as(const From& from) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as needs types of one size");
+  To to;
+  std::memcpy(&to, &from, sizeof(to));
+  return to;
+}
 
 constexpr int64_t kLanes = 16;
 constexpr int64_t kPairLanes = 2 * kLanes;
@@ -85,7 +110,7 @@ inline Pair load_pair(const float* p) { return {load(p), load(p + kLanes)}; }
 inline Pair load_pair(const at::BFloat16* p) {
   IntVec words;
   std::memcpy(&words, p, sizeof(words));
-  return {std::bit_cast<Vec>(words << 16), std::bit_cast<Vec>(words & int32_t(0xFFFF0000))};
+  return {bits_as<Vec>(words << 16), bits_as<Vec>(words & int32_t(0xFFFF0000))};
 }
 
 inline void store_pair(float* p, const Pair& v) {
@@ -165,7 +190,7 @@ inline Vec exp_nonpositive(Vec x) {
   p = p * r * r + r + 1.0f;
   // Multiply by 2^n by building its exponent field; n >= -126 keeps it a normal number.
   const IntVec bits = (__builtin_convertvector(n, IntVec) + 127) << 23;
-  const Vec result = p * std::bit_cast<Vec>(bits);
+  const Vec result = p * bits_as<Vec>(bits);
   return x < -87.0f ? Vec{} : result;
 }
 
@@ -177,11 +202,12 @@ struct HeadState {
   float* acc;
 };
 
-// Folds `tile` tokens of one KV block into the states of kGroup query heads that share one
-// KV head. `q` holds their kGroup scaled query rows (kPairs pairs each); `keys` and
+// Folds `tile` tokens of one KV block into the states of kGroup query vectors that share
+// one KV head. `q` holds their kGroup scaled query rows (kPairs pairs each); `keys` and
 // `values` point at the KV head's vector of the block's first token; `scores` has room
 // for kGroup tiles rounded up to whole vectors. Each K and V vector is loaded (and, for
-// bf16, widened) once and used by all kGroup heads.
+// bf16, widened) once and used by all kGroup vectors, and each vector's operations and
+// their order are the same for any kGroup.
 template <typename scalar_t, int64_t kPairs, int64_t kGroup>
 inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* values,
                         int64_t token_stride, int64_t tile, int64_t padded_tile, float* scores,
@@ -257,14 +283,18 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
   }
 }
 
-// The query heads of one KV head go through attend_tile in runs of at most kMaxRun heads
-// (a compile-time count, so that the loops over them unroll); a group of G heads is
-// split greedily, e.g. 7 = 4 + 3. Only bf16 runs several heads at once: its vectors
-// need widening, which a run shares; fp32 vectors need none, and there the burst of
+// The query vectors of one KV head go through attend_tile in runs of at most kMaxRun (a
+// compile-time count, so that the loops over them unroll); a group of G is split
+// greedily, e.g. 7 = 4 + 3. Only bf16 runs several vectors at once: its vectors need
+// widening, which a run shares; fp32 vectors need none, and there the burst of
 // prefetches a run issues cost more than the shared loads saved (about 1.4x slower at
-// batch 64-128, while bf16 gained 3-25%, `bench.decode_attention`).
+// batch 64-128, while bf16 gained 3-25%, `bench.attention_kernel`), and prefill rows
+// gained nothing from runs either.
 template <typename scalar_t>
 constexpr int64_t kMaxRun = std::is_same_v<scalar_t, float> ? 1 : 4;
+
+// Rows of a prefill chunk per work item.
+constexpr int64_t kRowTile = 16;
 
 template <typename scalar_t, int64_t kPairs>
 inline void attend_run(int64_t run, const Pair* q, const scalar_t* keys, const scalar_t* values,
@@ -287,7 +317,7 @@ inline void attend_run(int64_t run, const Pair* q, const scalar_t* keys, const s
 }
 
 // Prefetches share `part` of `parts` of a KV block's keys and values (`count` values each)
-// into L2. The caller asks for the next block's shares while it computes this block's
+// into L2. A decode row asks for the next block's shares while it computes this block's
 // heads, so that the block streams in during the computation; asking for all of it at
 // once overflows the queue of outstanding misses and loses most of the prefetches.
 template <typename scalar_t>
@@ -301,14 +331,19 @@ inline void prefetch_share(const scalar_t* keys, const scalar_t* values, int64_t
   }
 }
 
-// Raises a clear error instead of reading outside the cache when a caller's tables
-// disagree with the cache; costs one pass over B * max_blocks integers.
-void check_tables(const int64_t* tables, const int64_t* lens, int64_t batch, int64_t max_blocks,
-                  int64_t block_size, int64_t num_blocks) {
+// Raises a clear error instead of reading outside q or the cache when a caller's tables
+// disagree with them; costs one pass over B * max_blocks integers.
+void check_inputs(const int64_t* tables, const int64_t* starts, const int64_t* lens, int64_t batch,
+                  int64_t num_rows, int64_t max_blocks, int64_t block_size, int64_t num_blocks) {
+  TORCH_CHECK(starts[0] == 0 && starts[batch] == num_rows, "query_start must run from 0 to ",
+              num_rows, ", the number of query rows");
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t len = lens[b];
+    const int64_t queries = starts[b + 1] - starts[b];
     TORCH_CHECK(len >= 1 && len <= max_blocks * block_size, "context_lens[", b, "] = ", len,
                 " is outside [1, ", max_blocks * block_size, "]");
+    TORCH_CHECK(queries >= 1 && queries <= len, "sequence ", b, " has ", queries,
+                " query rows for a context of ", len);
     const int64_t used = (len + block_size - 1) / block_size;
     for (int64_t i = 0; i < used; ++i) {
       const int64_t block = tables[b * max_blocks + i];
@@ -318,18 +353,29 @@ void check_tables(const int64_t* tables, const int64_t* lens, int64_t batch, int
   }
 }
 
+// Consecutive query rows of one sequence, computed by one thread.
+struct WorkItem {
+  int64_t seq;
+  int64_t first_row;  // index into q
+  int64_t rows;
+  int64_t first_position;  // of the first row
+};
+
 // head_dim = 32 * kPairs.
 template <typename scalar_t, int64_t kPairs>
-void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
-                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                           const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
+void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
+                          const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                          const torch::Tensor& query_start, const torch::Tensor& context_lens,
+                          float scale, torch::Tensor& out) {
   constexpr int64_t kHeadDim = kPairs * kPairLanes;
-  const int64_t batch = q.size(0);
+  const int64_t num_rows = q.size(0);
   const int64_t num_heads = q.size(1);
+  const int64_t batch = context_lens.size(0);
   const int64_t block_size = k_cache.size(1);
-  const int64_t group = num_heads / k_cache.size(2);
+  const int64_t num_kv_heads = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  const int64_t token_stride = k_cache.size(2) * kHeadDim;  // between tokens of one block
+  const int64_t token_stride = num_kv_heads * kHeadDim;  // between tokens of one block
   const int64_t block_stride = block_size * token_stride;
   const int64_t padded_tile = (block_size + kLanes - 1) / kLanes * kLanes;
 
@@ -337,62 +383,106 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
   const scalar_t* v_data = v_cache.data_ptr<scalar_t>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* starts = query_start.data_ptr<int64_t>();
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  check_tables(tables, lens, batch, max_blocks, block_size, k_cache.size(0));
+  check_inputs(tables, starts, lens, batch, num_rows, max_blocks, block_size, k_cache.size(0));
 
-  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), batch));
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first_position = lens[b] - (starts[b + 1] - starts[b]);
+    for (int64_t row = starts[b]; row < starts[b + 1]; row += kRowTile) {
+      const int64_t rows = std::min(kRowTile, starts[b + 1] - row);
+      items.push_back({b, row, rows, first_position + row - starts[b]});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(num_threads)
   {
-    // Per-thread scratch, reused across sequences: the scaled query rows and the
-    // accumulator rows of all heads, and one tile of scores per head of a run.
-    std::vector<Pair> q_rows(num_heads * kPairs);
-    std::vector<float> acc(num_heads * kHeadDim);
+    // Per-thread scratch, reused across items, laid out [kv head][row][head of group] so
+    // that the query vectors of one KV head are adjacent across rows: the scaled query
+    // rows, the online-softmax states with their accumulator rows, and one tile of
+    // scores per vector of a run.
+    const int64_t vectors = kRowTile * num_heads;
+    std::vector<Pair> q_rows(vectors * kPairs);
+    std::vector<float> acc(vectors * kHeadDim);
+    std::vector<HeadState> states(vectors);
     std::vector<float> scores(kMaxRun<scalar_t> * padded_tile);
-    std::vector<HeadState> states(num_heads);
 
 #pragma omp for schedule(dynamic)
-    for (int64_t b = 0; b < batch; ++b) {
-      const int64_t context_len = lens[b];
-      const int64_t* table = tables + b * max_blocks;
-      std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t h = 0; h < num_heads; ++h) {
-        states[h] = {kNegInf, 0.0f, &acc[h * kHeadDim]};
-        for (int64_t c = 0; c < kPairs; ++c) {
-          Pair qc = load_pair(q_data + (b * num_heads + h) * kHeadDim + c * kPairLanes);
-          qc.first *= scale;
-          qc.second *= scale;
-          q_rows[h * kPairs + c] = qc;
-        }
-      }
-
-      for (int64_t start = 0; start < context_len; start += block_size) {
-        const int64_t block_offset = table[start / block_size] * block_stride;
-        const int64_t tile = std::min(block_size, context_len - start);
-        const bool has_next = start + block_size < context_len;
-        const int64_t next_offset = has_next ? table[start / block_size + 1] * block_stride : 0;
-        for (int64_t h = 0; h < num_heads;) {
-          const int64_t run = std::min(kMaxRun<scalar_t>, group - h % group);
-          for (int64_t part = h; has_next && part < h + run; ++part) {
-            prefetch_share(k_data + next_offset, v_data + next_offset, block_stride, part,
-                           num_heads);
+    for (int64_t i = 0; i < num_items; ++i) {
+      const WorkItem item = items[i];
+      const int64_t rows = item.rows;
+      const int64_t* table = tables + item.seq * max_blocks;
+      // Vector (kv, r, g) is query head kv * group + g of row r.
+      const auto vector = [&](int64_t kv, int64_t r, int64_t g) {
+        return (kv * rows + r) * group + g;
+      };
+      std::fill(acc.begin(), acc.begin() + rows * num_heads * kHeadDim, 0.0f);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const int64_t v = vector(h / group, r, h % group);
+          states[v] = {kNegInf, 0.0f, &acc[v * kHeadDim]};
+          const scalar_t* q_row = q_data + ((item.first_row + r) * num_heads + h) * kHeadDim;
+          for (int64_t c = 0; c < kPairs; ++c) {
+            Pair qc = load_pair(q_row + c * kPairLanes);
+            qc.first *= scale;
+            qc.second *= scale;
+            q_rows[v * kPairs + c] = qc;
           }
-          const int64_t kv_offset = block_offset + h / group * kHeadDim;
-          attend_run<scalar_t, kPairs>(run, &q_rows[h * kPairs], k_data + kv_offset,
-                                       v_data + kv_offset, token_stride, tile, padded_tile,
-                                       scores.data(), &states[h]);
-          h += run;
         }
       }
 
-      for (int64_t h = 0; h < num_heads; ++h) {
-        const float inv_sum = 1.0f / states[h].sum;
-        for (int64_t c = 0; c < kPairs; ++c) {
-          Pair o = load_pair(states[h].acc + c * kPairLanes);
-          o.first *= inv_sum;
-          o.second *= inv_sum;
-          store_pair(out_data + (b * num_heads + h) * kHeadDim + c * kPairLanes, o);
+      const int64_t last_position = item.first_position + rows - 1;
+      for (int64_t start = 0; start <= last_position; start += block_size) {
+        const int64_t block_offset = table[start / block_size] * block_stride;
+        const bool has_next = start + block_size <= last_position;
+        const int64_t next_offset = has_next ? table[start / block_size + 1] * block_stride : 0;
+        // Rows before `first_active` end before this block; rows from `first_full` on see
+        // all of it; the rows between see its first (position - start + 1) tokens.
+        const int64_t first_active = std::max<int64_t>(0, start - item.first_position);
+        const int64_t first_full =
+            std::min(rows, std::max<int64_t>(0, start + block_size - 1 - item.first_position));
+        const int64_t active_vectors = (rows - first_active) * num_heads;
+        int64_t done = 0;  // vectors of this block computed so far, for the prefetch shares
+        const auto attend = [&](int64_t kv, int64_t first, int64_t count, int64_t tile) {
+          const int64_t kv_offset = block_offset + kv * kHeadDim;
+          for (int64_t v = first; v < first + count;) {
+            const int64_t run = std::min(kMaxRun<scalar_t>, first + count - v);
+            for (int64_t part = done; has_next && part < done + run; ++part) {
+              prefetch_share(k_data + next_offset, v_data + next_offset, block_stride, part,
+                             active_vectors);
+            }
+            attend_run<scalar_t, kPairs>(run, &q_rows[v * kPairs], k_data + kv_offset,
+                                         v_data + kv_offset, token_stride, tile, padded_tile,
+                                         scores.data(), &states[v]);
+            v += run;
+            done += run;
+          }
+        };
+        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+          for (int64_t r = first_active; r < first_full; ++r) {
+            attend(kv, vector(kv, r, 0), group, item.first_position + r - start + 1);
+          }
+          if (first_full < rows) {
+            attend(kv, vector(kv, first_full, 0), (rows - first_full) * group, block_size);
+          }
+        }
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t h = 0; h < num_heads; ++h) {
+          const HeadState& state = states[vector(h / group, r, h % group)];
+          const float inv_sum = 1.0f / state.sum;
+          scalar_t* out_row = out_data + ((item.first_row + r) * num_heads + h) * kHeadDim;
+          for (int64_t c = 0; c < kPairs; ++c) {
+            Pair o = load_pair(state.acc + c * kPairLanes);
+            o.first *= inv_sum;
+            o.second *= inv_sum;
+            store_pair(out_row + c * kPairLanes, o);
+          }
         }
       }
     }
@@ -402,10 +492,11 @@ void decode_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
 template <typename scalar_t>
 void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
-                       const torch::Tensor& context_lens, float scale, torch::Tensor& out) {
+                       const torch::Tensor& query_start, const torch::Tensor& context_lens,
+                       float scale, torch::Tensor& out) {
   const auto run = [&](auto pairs) {
-    decode_attention_impl<scalar_t, decltype(pairs)::value>(q, k_cache, v_cache, block_tables,
-                                                            context_lens, scale, out);
+    paged_attention_impl<scalar_t, decltype(pairs)::value>(q, k_cache, v_cache, block_tables,
+                                                           query_start, context_lens, scale, out);
   };
   switch (q.size(2)) {
     case 32: return run(std::integral_constant<int64_t, 1>{});
@@ -413,47 +504,49 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
     case 96: return run(std::integral_constant<int64_t, 3>{});
     case 128: return run(std::integral_constant<int64_t, 4>{});
     case 256: return run(std::integral_constant<int64_t, 8>{});
-    default: TORCH_CHECK(false, "paged_decode_attention: unsupported head_dim ", q.size(2));
+    default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
   }
 }
 
-torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
-                                     const torch::Tensor& v_cache,
-                                     const torch::Tensor& block_tables,
-                                     const torch::Tensor& context_lens, double scale) {
-  TORCH_CHECK(q.device().is_cpu(), "paged_decode_attention runs on the CPU");
+torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const torch::Tensor& block_tables,
+                              const torch::Tensor& query_start,
+                              const torch::Tensor& context_lens, double scale) {
+  TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
-              "q must be [B, H, D] and the caches [num_blocks, block_size, Hkv, D]");
+              "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]");
   TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache differ in shape");
   TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
               "q, k_cache and v_cache must share one dtype");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "q and the caches differ in head_dim");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads ", q.size(1),
               " is not a multiple of num_kv_heads ", k_cache.size(2));
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) &&
-                  context_lens.dim() == 1 && context_lens.size(0) == q.size(0),
-              "block_tables must be [B, max_blocks] and context_lens [B]");
+  TORCH_CHECK(block_tables.dim() == 2 && context_lens.dim() == 1 && query_start.dim() == 1 &&
+                  block_tables.size(0) == context_lens.size(0) &&
+                  query_start.size(0) == context_lens.size(0) + 1,
+              "block_tables must be [B, max_blocks], context_lens [B] and query_start [B + 1]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous");
 
   const torch::Tensor q_c = q.contiguous();
   const torch::Tensor tables = block_tables.to(torch::kLong).contiguous();
+  const torch::Tensor starts = query_start.to(torch::kLong).contiguous();
   const torch::Tensor lens = context_lens.to(torch::kLong).contiguous();
   torch::Tensor out = torch::empty_like(q_c);
-  if (q.size(0) == 0) {
+  if (lens.size(0) == 0) {
+    TORCH_CHECK(q.size(0) == 0, "query rows without sequences");
     return out;
   }
   const float fscale = static_cast<float>(scale);
   switch (q.scalar_type()) {
     case at::ScalarType::Float:
-      dispatch_head_dim<float>(q_c, k_cache, v_cache, tables, lens, fscale, out);
+      dispatch_head_dim<float>(q_c, k_cache, v_cache, tables, starts, lens, fscale, out);
       break;
     case at::ScalarType::BFloat16:
-      dispatch_head_dim<at::BFloat16>(q_c, k_cache, v_cache, tables, lens, fscale, out);
+      dispatch_head_dim<at::BFloat16>(q_c, k_cache, v_cache, tables, starts, lens, fscale, out);
       break;
     default:
-      TORCH_CHECK(false, "paged_decode_attention takes float32 or bfloat16, not ",
-                  q.scalar_type());
+      TORCH_CHECK(false, "paged_attention takes float32 or bfloat16, not ", q.scalar_type());
   }
   return out;
 }
@@ -461,8 +554,9 @@ torch::Tensor paged_decode_attention(const torch::Tensor& q, const torch::Tensor
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention,
-        "Decode attention over a paged KV cache: q [B, H, D] -> [B, H, D]", py::arg("q"),
-        py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("context_lens"), py::arg("scale"));
+  m.def("paged_attention", &paged_attention,
+        "Causal attention over a paged KV cache for decode rows and prefill chunks: "
+        "q [T, H, D] -> [T, H, D]",
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
+        py::arg("query_start"), py::arg("context_lens"), py::arg("scale"));
 }

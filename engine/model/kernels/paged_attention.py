@@ -1,8 +1,8 @@
-"""The C++ paged decode-attention kernel: built once per machine, loaded on first use.
+"""The C++ paged-attention kernel: built once per machine, loaded on first use.
 
-`load_decode_kernel()` compiles `decode_attention.cpp` with torch's JIT extension
+`load_attention_kernel()` compiles `paged_attention.cpp` with torch's JIT extension
 builder (ninja and the system C++ compiler) into
-`$PAGEDSERVE_CACHE/kernels/decode_attention-<tag>`. The tag hashes the torch and Python
+`$PAGEDSERVE_CACHE/kernels/paged_attention-<tag>`. The tag hashes the torch and Python
 versions and the CPU's feature flags, because the library is linked against torch's ABI
 and built with `-march=native`. The first build takes about a minute; later processes
 load it directly, without compiler or ninja, when the folder's stamp shows it was built
@@ -35,8 +35,8 @@ from engine.config import cache_root
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("decode_attention.cpp")
-EXTENSION_NAME = "pagedserve_decode_attention"
+SOURCE = Path(__file__).with_name("paged_attention.cpp")
+EXTENSION_NAME = "pagedserve_paged_attention"
 # Written next to the library after a build: the digest of the source and flags it holds.
 STAMP_NAME = "source.sha256"
 # -Wno-psabi: without AVX-512, GCC warns that 64-byte vectors change the calling convention;
@@ -49,8 +49,11 @@ SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 # wait for it forever; a build takes about a minute, so an older lock is such a leftover.
 STALE_LOCK_SECONDS = 600
 
-DecodeKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+# (q, k_cache, v_cache, block_tables, query_start, context_lens, scale) -> out: see
+# `paged_attention`; the torch implementations in engine.model.attention share it.
+AttentionKernel = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    torch.Tensor,
 ]
 
 _lock = threading.Lock()
@@ -62,13 +65,13 @@ class KernelUnavailableError(RuntimeError):
     """The C++ kernel could not be built or loaded here; the message says why."""
 
 
-def load_decode_kernel() -> DecodeKernel | None:
-    """The kernel (see `paged_decode_attention`), or None if it cannot be built here.
+def load_attention_kernel() -> AttentionKernel | None:
+    """The kernel (see `paged_attention`), or None if it cannot be built here.
 
     Thread-safe. A failure is logged once, as a warning, when the build fails.
     """
     try:
-        return _extension().paged_decode_attention
+        return _extension().paged_attention
     except KernelUnavailableError:
         return None
 
@@ -78,27 +81,31 @@ def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS
 
 
-def paged_decode_attention(
+def paged_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     block_tables: torch.Tensor,
+    query_start: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """Decode attention over a paged KV cache, on the CPU, without gathering K/V.
+    """Causal attention over a paged KV cache, on the CPU, without gathering K/V.
 
-    q `[B, H, D]`; k_cache, v_cache `[num_blocks, block_size, Hkv, D]`, contiguous, of q's
-    dtype (see `supports`), with H a multiple of Hkv; block_tables `[B, max_blocks]` (int32
-    or int64) lists each row's blocks in order, and entries past a row's last used block
-    are never read; context_lens `[B]`, each in `[1, max_blocks * block_size]`. Returns
-    `[B, H, D]` in q's dtype: for row b and head h, softmax(scale * q[b, h] . K^T) V over
-    the row's first context_lens[b] tokens of KV head h // (H // Hkv), computed in fp32.
-    Raises `KernelUnavailableError` if the kernel cannot be built and `RuntimeError` on
-    inputs that break these invariants.
+    q `[T, H, D]` packs the step's query rows sequence by sequence; k_cache, v_cache
+    `[num_blocks, block_size, Hkv, D]`, contiguous, of q's dtype (see `supports`), with H a
+    multiple of Hkv; block_tables `[B, max_blocks]` (int32 or int64) lists each sequence's
+    blocks in order, and entries past its last used block are never read; query_start
+    `[B + 1]` gives sequence b the rows `[query_start[b], query_start[b + 1])`, the last
+    rows of its context of context_lens[b] tokens, each in `[1, max_blocks * block_size]`.
+    Returns `[T, H, D]` in q's dtype: for a row at position p and head h,
+    softmax(scale * q . K^T) V over positions 0..p of KV head h // (H // Hkv), in fp32.
+    A row's bits depend only on its query, its position and its context's K/V (see the
+    source's "Invariance"). Raises `KernelUnavailableError` if the kernel cannot be built
+    and `RuntimeError` on inputs that break these invariants.
     """
-    return _extension().paged_decode_attention(
-        q, k_cache, v_cache, block_tables, context_lens, scale
+    return _extension().paged_attention(
+        q, k_cache, v_cache, block_tables, query_start, context_lens, scale
     )
 
 
@@ -106,7 +113,7 @@ def build_directory() -> Path:
     """Where the library is built: one folder per torch, Python and CPU combination."""
     fingerprint = "|".join((torch.__version__, sys.version, platform.machine(), _cpu_flags()))
     tag = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
-    return cache_root() / "kernels" / f"decode_attention-{tag}"
+    return cache_root() / "kernels" / f"paged_attention-{tag}"
 
 
 def _extension() -> ModuleType:
@@ -118,7 +125,7 @@ def _extension() -> ModuleType:
             except Exception as exc:  # a broken toolchain fails in many ways; all mean "no"
                 _result = exc
                 logger.warning(
-                    "C++ decode attention kernel unavailable, attention stays on torch: %s",
+                    "C++ paged attention kernel unavailable, attention stays on torch: %s",
                     _describe(exc),
                 )
         if isinstance(_result, Exception):
@@ -144,7 +151,7 @@ def _build() -> ModuleType:
         if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
             lock.unlink()
     logger.info(
-        "loading the decode attention kernel from %s (a first build takes a minute)", directory
+        "loading the paged attention kernel from %s (a first build takes a minute)", directory
     )
     module = cpp_extension.load(
         name=EXTENSION_NAME,
@@ -171,7 +178,7 @@ def _load_prebuilt(directory: Path) -> ModuleType | None:
         return None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    logger.info("loaded the prebuilt decode attention kernel from %s", library)
+    logger.info("loaded the prebuilt paged attention kernel from %s", library)
     return module
 
 

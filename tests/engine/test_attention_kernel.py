@@ -1,0 +1,394 @@
+"""Paged attention, C++ kernel and blockwise torch, against an fp64 reference, and the
+invariance the engine's outputs rest on: a row's bits do not depend on the batch.
+
+These tests build the kernel (once per machine, cached) and fail if it cannot be built:
+the test machine has a compiler. Only the loader degrades gracefully.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from itertools import pairwise
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels import paged_attention as kernel_module
+from engine.model.kernels.paged_attention import (
+    KernelUnavailableError,
+    load_attention_kernel,
+    paged_attention,
+    supports,
+)
+from engine.model.torch_attention import blockwise_attention, gathered_attention
+
+# With 16-token blocks: one token, a block minus one, a full block, one past it, and two
+# partial third and fifth blocks.
+LENGTHS = (1, 15, 16, 17, 45, 70)
+FP32_TOL = dict(atol=1e-5, rtol=1e-5)
+BF16_TOL = dict(atol=2e-2, rtol=2e-2)
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+
+
+@dataclass(slots=True)
+class Case:
+    """Attention inputs over layer 1 of a paged KV tensor laid out as the engine's:
+    sequence b has `context_lens[b]` tokens and its last `queries[b]` are query rows."""
+
+    kv_cache: torch.Tensor
+    q: torch.Tensor
+    block_tables: torch.Tensor
+    context_lens: tuple[int, ...]
+    queries: tuple[int, ...]
+    scale: float
+
+    @property
+    def k_cache(self) -> torch.Tensor:
+        return self.kv_cache[1, 0]
+
+    @property
+    def v_cache(self) -> torch.Tensor:
+        return self.kv_cache[1, 1]
+
+    @property
+    def query_start(self) -> torch.Tensor:
+        return torch.tensor((0, *np.cumsum(self.queries)), dtype=torch.int64)
+
+    def metadata(self) -> PagedAttentionMetadata:
+        starts = self.query_start
+        lens = torch.tensor(self.context_lens, dtype=torch.int64)
+        return PagedAttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=torch.empty(0, dtype=torch.int64),
+            block_tables=self.block_tables,
+            query_start=starts,
+            context_lens=lens,
+            query_start_host=starts.numpy(),
+            context_lens_host=lens.numpy(),
+        )
+
+    def select(self, sequence: int, first: int, end: int) -> Case:
+        """Query rows [first, end) of one sequence (counted from its first query row) as a
+        case of their own: the context ends at the last of them."""
+        row0 = int(self.query_start[sequence])
+        context_len = self.context_lens[sequence] - self.queries[sequence] + end
+        return replace(
+            self,
+            q=self.q[row0 + first : row0 + end],
+            block_tables=self.block_tables[sequence : sequence + 1],
+            context_lens=(context_len,),
+            queries=(end - first,),
+        )
+
+
+def make_case(
+    lengths: tuple[int, ...],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    seed: int = 0,
+    query_scale: float = 1.0,
+    queries: tuple[int, ...] | None = None,
+) -> Case:
+    """Sequences get shuffled, non-contiguous blocks; the slots after each context's last
+    token hold NaN and the table padding holds out-of-range ids, so reading either shows.
+    `queries` defaults to one query row per sequence (a decode step)."""
+    queries = queries or (1,) * len(lengths)
+    generator = torch.Generator().manual_seed(seed)
+    used = [math.ceil(n / block_size) for n in lengths]
+    num_blocks = sum(used) + 7
+    shape = (2, 2, num_blocks, block_size, num_kv_heads, head_dim)  # [layers, K/V, ...]
+    kv_cache = torch.randn(shape, generator=generator).to(dtype)
+    tables = torch.full((len(lengths), max(used) + 1), num_blocks + 100, dtype=torch.int64)
+    ids = torch.randperm(num_blocks, generator=generator).tolist()
+    for row, (length, count) in enumerate(zip(lengths, used, strict=True)):
+        tables[row, :count] = torch.tensor(ids[:count])
+        ids = ids[count:]
+        last = int(tables[row, count - 1])
+        kv_cache[1, :, last, length - (count - 1) * block_size :] = math.nan
+    q = torch.randn(sum(queries), num_heads, head_dim, generator=generator) * query_scale
+    return Case(kv_cache, q.to(dtype), tables, tuple(lengths), tuple(queries), head_dim**-0.5)
+
+
+def reference(case: Case) -> torch.Tensor:
+    """Gather each row's visible tokens and take a plain softmax, in fp64."""
+    block_size = case.k_cache.shape[1]
+    group = case.q.shape[1] // case.k_cache.shape[2]
+    rows = []
+    for b, (length, queries) in enumerate(zip(case.context_lens, case.queries, strict=True)):
+        blocks = case.block_tables[b, : math.ceil(length / block_size)]
+        keys = case.k_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(group, 1)
+        values = case.v_cache[blocks].flatten(0, 1)[:length].double().repeat_interleave(group, 1)
+        for i in range(queries):
+            position = length - queries + i
+            q = case.q[int(case.query_start[b]) + i].double()
+            scores = torch.einsum("hd,shd->hs", q, keys[: position + 1]) * case.scale
+            rows.append(torch.einsum("hs,shd->hd", scores.softmax(dim=-1), values[: position + 1]))
+    return torch.stack(rows)
+
+
+def run_kernel(case: Case) -> torch.Tensor:
+    return paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start,
+        torch.tensor(case.context_lens),
+        case.scale,
+    )
+
+
+def run_blockwise(case: Case) -> torch.Tensor:
+    tables = case.block_tables.clamp(max=case.kv_cache.shape[2] - 1)  # it indexes whole rows
+    return blockwise_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        replace(case, block_tables=tables).metadata(),
+        case.scale,
+    )
+
+
+IMPLEMENTATIONS = pytest.mark.parametrize(
+    "attend", [run_kernel, run_blockwise], ids=["cpp", "blockwise"]
+)
+
+
+def assert_matches(actual: torch.Tensor, case: Case) -> None:
+    assert actual.dtype == case.q.dtype and actual.shape == case.q.shape
+    tolerance = FP32_TOL if case.q.dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual.double(), reference(case), **tolerance)
+
+
+@DTYPES
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize(
+    "heads", [(4, 4), (4, 2), (9, 3), (8, 2), (10, 2), (14, 2), (16, 2)],
+    ids=["gqa1", "gqa2", "gqa3", "gqa4", "gqa5", "gqa7", "gqa8"],
+)  # fmt: skip
+@pytest.mark.parametrize("head_dim", [32, 64, 128])
+def test_decode_rows_match_reference(
+    dtype: torch.dtype, block_size: int, heads: tuple[int, int], head_dim: int
+) -> None:
+    case = make_case(LENGTHS, *heads, head_dim, block_size, dtype, seed=head_dim + block_size)
+    assert_matches(run_kernel(case), case)
+
+
+@IMPLEMENTATIONS
+@DTYPES
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+def test_prefill_chunks_and_decode_rows_match_reference(
+    attend: Callable[[Case], torch.Tensor], dtype: torch.dtype, heads: tuple[int, int]
+) -> None:
+    # Whole prompts, chunks after a cached prefix (some starting mid-block), decode rows,
+    # and a chunk longer than one row tile of the kernel, in one step.
+    lengths = (1, 15, 16, 17, 45, 70, 40, 100)
+    queries = (1, 15, 3, 1, 29, 70, 1, 37)
+    case = make_case(lengths, *heads, 64, 16, dtype, seed=sum(heads), queries=queries)
+    assert_matches(attend(case), case)
+
+
+@DTYPES
+def test_long_contexts_with_peaked_scores(dtype: torch.dtype) -> None:
+    # Large query norms make the running max move between tiles many times over.
+    case = make_case((1000, 333, 1), 9, 3, 64, 16, dtype, seed=1, query_scale=8.0)
+    assert_matches(run_kernel(case), case)
+    case = make_case((120, 40), 9, 3, 64, 16, dtype, seed=2, query_scale=8.0, queries=(120, 7))
+    assert_matches(run_kernel(case), case)
+
+
+@IMPLEMENTATIONS
+@DTYPES
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "gqa1"])
+def test_a_rows_bits_do_not_depend_on_the_rest_of_the_step(
+    attend: Callable[[Case], torch.Tensor], dtype: torch.dtype, heads: tuple[int, int]
+) -> None:
+    """Each row of a 70-token prompt, computed in one prefill, in chunks split anywhere,
+    as a decode row, and beside other sequences' rows, has the same bits every time."""
+    case = make_case((70, 33, 20), *heads, 64, 16, dtype, seed=7, queries=(70, 33, 1))
+    whole = attend(case.select(0, 0, 70))
+    assert torch.equal(attend(case)[:70], whole)  # beside a prefill and a decode row
+    for cuts in ((0, 16, 32, 48, 64, 70), (0, 5, 21, 22, 60, 70), (0, 69, 70)):
+        chunks = [attend(case.select(0, a, b)) for a, b in pairwise(cuts)]
+        assert torch.equal(torch.cat(chunks), whole), cuts
+    decoded = torch.cat([attend(case.select(0, i, i + 1)) for i in range(70)])
+    assert torch.equal(decoded, whole)
+
+
+@DTYPES
+def test_the_kernel_and_the_torch_paths_agree(dtype: torch.dtype) -> None:
+    lengths, queries = (1, 15, 16, 17, 45, 70), (1, 15, 1, 2, 1, 33)
+    case = make_case(lengths, 9, 3, 64, 16, dtype, queries=queries)
+    case.kv_cache = torch.nan_to_num(case.kv_cache)  # the gathered path reads padding slots
+    case.block_tables = case.block_tables.clamp(max=case.kv_cache.shape[2] - 1)
+    tolerance = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    gathered = gathered_attention(case.q, case.k_cache, case.v_cache, case.metadata(), case.scale)
+    torch.testing.assert_close(run_kernel(case), gathered, **tolerance)
+    torch.testing.assert_close(run_blockwise(case), gathered, **tolerance)
+
+
+def test_other_head_dims_of_real_models() -> None:
+    for head_dim in (96, 256):
+        case = make_case((5, 40), 4, 2, head_dim, 16, torch.float32, seed=head_dim)
+        assert_matches(run_kernel(case), case)
+
+
+def test_int32_tables_and_lengths_give_the_same_result() -> None:
+    case = make_case(LENGTHS, 9, 3, 64, 16, torch.float32, queries=(1, 15, 2, 1, 1, 9))
+    narrow = paged_attention(
+        case.q,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables.int(),
+        case.query_start.int(),
+        torch.tensor(case.context_lens, dtype=torch.int32),
+        case.scale,
+    )
+    assert torch.equal(narrow, run_kernel(case))
+
+
+def test_result_does_not_depend_on_the_thread_count() -> None:
+    case = make_case(LENGTHS * 3, 9, 3, 64, 16, torch.bfloat16, queries=(1, 15, 2) * 6)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = run_kernel(case)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(run_kernel(case), single)
+
+
+def test_strided_query_is_accepted() -> None:
+    case = make_case(LENGTHS, 9, 3, 64, 16, torch.float32)
+    case.q = case.q.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not case.q.is_contiguous()
+    assert_matches(run_kernel(case), case)
+
+
+def test_empty_batch() -> None:
+    case = make_case((3,), 9, 3, 64, 16, torch.float32)
+    empty = torch.zeros(0, dtype=torch.int64)
+    out = paged_attention(
+        case.q[:0],
+        case.k_cache,
+        case.v_cache,
+        case.block_tables[:0],
+        torch.zeros(1),
+        empty,
+        1.0,
+    )
+    assert out.shape == (0, 9, 64)
+
+
+def test_supports() -> None:
+    cpu = torch.device("cpu")
+    assert supports(torch.bfloat16, 64, cpu) and supports(torch.float32, 128, cpu)
+    assert not supports(torch.float16, 64, cpu)
+    assert not supports(torch.float32, 80, cpu)
+    assert not supports(torch.float32, 64, torch.device("cuda"))
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(context_lens=torch.tensor([0, 5])), "outside"),
+        (dict(context_lens=torch.tensor([5, 1000])), "outside"),
+        (dict(block_tables=torch.tensor([[0, 1], [99, 2]])), "not a block"),
+        (dict(block_tables=torch.tensor([[0, 1], [-1, 2]])), "not a block"),
+        (dict(q=torch.zeros(2, 9, 64, dtype=torch.bfloat16)), "one dtype"),
+        (dict(q=torch.zeros(2, 9, 32)), "head_dim"),
+        (dict(q=torch.zeros(2, 8, 64)), "multiple"),
+        (dict(q=torch.zeros(2, 9, 64, dtype=torch.float64)), "one dtype"),
+        (dict(block_tables=torch.zeros(3, 2, dtype=torch.int64)), "block_tables"),
+        (dict(query_start=torch.tensor([0, 1, 3])), "query_start"),
+        (dict(query_start=torch.tensor([0, 2, 2])), "query rows"),
+        (dict(query_start=torch.tensor([0, 1])), "query_start"),
+        (
+            dict(
+                context_lens=torch.tensor([20, 5]),
+                q=torch.zeros(7, 9, 64),
+                query_start=torch.tensor([0, 1, 7]),
+            ),
+            "6 query rows for a context of 5",
+        ),
+    ],
+)
+def test_rejects_inconsistent_inputs(change: dict[str, torch.Tensor], message: str) -> None:
+    inputs = dict(
+        q=torch.zeros(2, 9, 64),
+        k_cache=torch.zeros(4, 16, 3, 64),
+        v_cache=torch.zeros(4, 16, 3, 64),
+        block_tables=torch.tensor([[0, 1], [2, 3]]),
+        query_start=torch.tensor([0, 1, 2]),
+        context_lens=torch.tensor([20, 5]),
+    )
+    inputs.update(change)
+    with pytest.raises(RuntimeError, match=message):
+        paged_attention(**inputs, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "head_dim"), [(torch.float16, 64), (torch.float64, 64), (torch.float32, 80)]
+)
+def test_rejects_unsupported_kinds(dtype: torch.dtype, head_dim: int) -> None:
+    cache = torch.zeros(2, 16, 1, head_dim, dtype=dtype)
+    q = torch.zeros(1, 1, head_dim, dtype=dtype)
+    with pytest.raises(RuntimeError, match=r"float32 or bfloat16|head_dim"):
+        one = torch.tensor([3])
+        paged_attention(q, cache, cache, torch.tensor([[0]]), torch.tensor([0, 1]), one, 1.0)
+
+
+def test_loader_degrades_to_none_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(kernel_module, "_result", None)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # no library built before
+    monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
+    with caplog.at_level(logging.WARNING, logger=kernel_module.__name__):
+        assert load_attention_kernel() is None
+        assert load_attention_kernel() is None
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1
+    assert "no-such-compiler-pagedserve" in warnings[0].getMessage()
+    with pytest.raises(KernelUnavailableError, match="no C\\+\\+ compiler"):
+        paged_attention(*[torch.zeros(1)] * 6, scale=1.0)
+
+
+def test_a_stamped_library_loads_without_a_compiler(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """As in the container image: built elsewhere, loaded by a new process with no compiler."""
+    assert load_attention_kernel() is not None  # built (or found) in the real cache
+    built = kernel_module.build_directory()
+    shutil.copytree(built, tmp_path / "kernels" / built.name)
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": "no-such-compiler-pagedserve"}
+    check = (
+        "import torch; "
+        "from engine.model.kernels.paged_attention import paged_attention as f; "
+        "c = torch.ones(2, 16, 1, 32); t = torch.tensor; "
+        "out = f(torch.ones(1, 2, 32), c, c * 3, t([[1]]), t([0, 1]), t([5]), 1.0); "
+        "assert torch.equal(out, torch.full((1, 2, 32), 3.0)), out"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    # A stamp from another source (an edited kernel) sends the loader back to the compiler.
+    (tmp_path / "kernels" / built.name / kernel_module.STAMP_NAME).write_text("0" * 64)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
+    monkeypatch.setattr(kernel_module, "_result", None)
+    assert load_attention_kernel() is None
