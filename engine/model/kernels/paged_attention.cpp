@@ -34,7 +34,7 @@
 // rows: a tile reads each block of its context once for all its rows, from cache. In
 // bf16 the query vectors of a KV head are computed in runs of up to four (see kMaxRun).
 //
-// Speed. Decode rows run as fast as before prefill joined them. Prefill rows are 4-12x
+// Speed. Decode rows run as fast as before prefill joined them. Prefill rows are 3.5-11x
 // slower than torch's SDPA flash kernel (`bench.attention_kernel`): a query row's dot
 // products and its accumulation are vector code along head_dim, not a GEMM micro-kernel,
 // and with 16-lane vectors on AVX2 the accumulators spill.
