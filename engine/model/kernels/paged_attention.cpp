@@ -34,25 +34,24 @@
 // rows: a tile reads each block of its context once for all its rows, from cache. In
 // bf16 the query vectors of a KV head are computed in runs of up to four (see kMaxRun).
 //
-// Speed. Decode rows run as fast as before prefill joined them. Prefill rows are 3.5-11x
-// slower than torch's SDPA flash kernel (`bench.attention_kernel`): a query row's dot
-// products and its accumulation are vector code along head_dim, not a GEMM micro-kernel,
-// and with 16-lane vectors on AVX2 the accumulators spill.
+// Speed (`bench.attention_kernel`, 2-core AVX2): decode rows 7-20x faster than gathering
+// K/V for torch; a whole prompt 1.3x SDPA's flash kernel at 256 tokens, 0.85x at 1,024
+// and 0.54-0.64x at 4,096, where a GEMM micro-kernel's register blocking would pay.
 //
 // Parallelism. Work items (a decode row, or a tile of a prefill chunk) go to OpenMP
 // threads (torch's pool and thread count) with dynamic scheduling, because context
 // lengths differ and a static split of a batch ordered by age would give one thread all
 // the long sequences. A row is computed by one thread from start to end.
 //
-// Vectors. The inner loops use GCC/Clang vector extensions: a `Vec` is 16 fp32 lanes,
-// one AVX-512 register under -march=native (two AVX2 registers elsewhere). head_dim is a
+// Vectors. The inner loops use GCC/Clang vector extensions: a `Vec` is one register of
+// fp32 lanes under -march=native, 16 with AVX-512 and 8 without (see kLanes). head_dim is a
 // multiple of 32 and fixed at compile time per instantiation, so that a query row and an
-// accumulator row stay in registers. Each 32 values of a row are handled as a `Pair` of
+// accumulator row stay in registers. Each 2 * kLanes values of a row are handled as a `Pair` of
 // Vecs; for bf16 the pair holds the even and the odd elements, because splitting 32-bit
 // words into their two bf16 halves widens them with one operation each and no shuffle.
 // Queries and accumulators use the same order, which a dot product does not see, and the
-// output is written back in natural order. Dot products are reduced 16 at a time with a
-// shuffle tree, and exp() is a short polynomial, because neither auto-vectorises without
+// output is written back in natural order. Dot products are reduced kLanes at a time with
+// a shuffle tree, and exp() is a short polynomial, because neither auto-vectorises without
 // -ffast-math. The source is C++17, the oldest standard torch's extension builder uses.
 
 #include <torch/extension.h>
@@ -77,7 +76,14 @@ inline To bits_as(const From& from) {
   return to;
 }
 
+// One vector register of fp32 lanes: 16 with AVX-512, else 8. Wider GCC vectors than the
+// target's registers are split for arithmetic but lowered lane by lane for shuffles,
+// which made the reductions below about 5x slower on AVX2.
+#ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
+#else
+constexpr int64_t kLanes = 8;
+#endif
 constexpr int64_t kPairLanes = 2 * kLanes;
 using Vec = float __attribute__((vector_size(kLanes * sizeof(float))));
 using IntVec = int32_t __attribute__((vector_size(kLanes * sizeof(int32_t))));
@@ -101,10 +107,10 @@ inline Vec load(const float* p) {
 
 inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 
-// 32 fp32 values in order: [0, 16) and [16, 32).
+// 2 * kLanes fp32 values in order.
 inline Pair load_pair(const float* p) { return {load(p), load(p + kLanes)}; }
 
-// 32 bf16 values as fp32: the even and the odd elements. A bf16 value is the upper half of
+// 2 * kLanes bf16 values as fp32: the even and the odd elements. A bf16 value is the upper half of
 // the fp32 value with the same bits, and a little-endian 32-bit word holds element 2i in
 // its low half and 2i + 1 in its high half.
 inline Pair load_pair(const at::BFloat16* p) {
@@ -125,28 +131,48 @@ inline void store_pair(at::BFloat16* p, const Pair& v) {
   }
 }
 
+// The lower and upper half of v, as vectors of 4 lanes once v is down to 8.
+inline Vec4 low4(Vec8 v) { return __builtin_shufflevector(v, v, 0, 1, 2, 3); }
+inline Vec4 high4(Vec8 v) { return __builtin_shufflevector(v, v, 4, 5, 6, 7); }
+
+inline Vec8 as8_sum(Vec v) {
+#ifdef __AVX512F__
+  return __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+         __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  return v;
+#endif
+}
+
+inline Vec8 as8_max(Vec v) {
+#ifdef __AVX512F__
+  const Vec8 lo = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const Vec8 hi = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  return lo > hi ? lo : hi;
+#else
+  return v;
+#endif
+}
+
 inline float reduce_sum(Vec v) {
-  const Vec8 v8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                  __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec4 v4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3) +
-                  __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  const Vec8 v8 = as8_sum(v);
+  const Vec4 v4 = low4(v8) + high4(v8);
   return (v4[0] + v4[2]) + (v4[1] + v4[3]);
 }
 
 inline float reduce_max(Vec v) {
-  const Vec8 lo8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
-  const Vec8 hi8 = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const Vec8 v8 = lo8 > hi8 ? lo8 : hi8;
-  const Vec4 lo4 = __builtin_shufflevector(v8, v8, 0, 1, 2, 3);
-  const Vec4 hi4 = __builtin_shufflevector(v8, v8, 4, 5, 6, 7);
+  const Vec8 v8 = as8_max(v);
+  const Vec4 lo4 = low4(v8);
+  const Vec4 hi4 = high4(v8);
   const Vec4 v4 = lo4 > hi4 ? lo4 : hi4;
   return std::max(std::max(v4[0], v4[1]), std::max(v4[2], v4[3]));
 }
 
+#ifdef __AVX512F__
 // Lane i of the result is the sum of the lanes of p[i], for 16 vectors at once: a tree of
 // 15 two-input shuffles and adds (each level halves the vectors and doubles the sums one
 // vector holds), about 3 operations per vector instead of 8 for one reduce_sum each.
-inline Vec reduce_sum_16(Vec (&p)[kLanes]) {
+inline Vec reduce_sum_lanes(Vec (&p)[kLanes]) {
   for (int64_t i = 0; i < 8; ++i) {
     p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19,
                                    20, 21, 22, 23) +
@@ -170,6 +196,21 @@ inline Vec reduce_sum_16(Vec (&p)[kLanes]) {
          __builtin_shufflevector(p[0], p[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29,
                                  31);
 }
+#else
+// The same tree for 8 vectors of 8 lanes: 7 two-input shuffles and adds.
+inline Vec reduce_sum_lanes(Vec (&p)[kLanes]) {
+  for (int64_t i = 0; i < 4; ++i) {
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int64_t i = 0; i < 2; ++i) {
+    p[i] = __builtin_shufflevector(p[2 * i], p[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+           __builtin_shufflevector(p[2 * i], p[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+  }
+  return __builtin_shufflevector(p[0], p[1], 0, 2, 4, 6, 8, 10, 12, 14) +
+         __builtin_shufflevector(p[0], p[1], 1, 3, 5, 7, 9, 11, 13, 15);
+}
+#endif
 
 // exp(x) for x <= 0, the only arguments an online softmax produces; relative error
 // about 2e-7 (the Cephes expf polynomial), exactly 0 below -87 where fp32 denormals
@@ -231,7 +272,7 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
     }
     for (int64_t g = 0; g < kGroup; ++g) {
       std::fill(partial[g] + n, partial[g] + kLanes, Vec{});
-      store(scores + g * padded_tile + t0, reduce_sum_16(partial[g]));
+      store(scores + g * padded_tile + t0, reduce_sum_lanes(partial[g]));
     }
   }
 
@@ -361,7 +402,7 @@ struct WorkItem {
   int64_t first_position;  // of the first row
 };
 
-// head_dim = 32 * kPairs.
+// head_dim = kPairLanes * kPairs.
 template <typename scalar_t, int64_t kPairs>
 void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
@@ -499,11 +540,11 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
                                                            query_start, context_lens, scale, out);
   };
   switch (q.size(2)) {
-    case 32: return run(std::integral_constant<int64_t, 1>{});
-    case 64: return run(std::integral_constant<int64_t, 2>{});
-    case 96: return run(std::integral_constant<int64_t, 3>{});
-    case 128: return run(std::integral_constant<int64_t, 4>{});
-    case 256: return run(std::integral_constant<int64_t, 8>{});
+    case 32: return run(std::integral_constant<int64_t, 32 / kPairLanes>{});
+    case 64: return run(std::integral_constant<int64_t, 64 / kPairLanes>{});
+    case 96: return run(std::integral_constant<int64_t, 96 / kPairLanes>{});
+    case 128: return run(std::integral_constant<int64_t, 128 / kPairLanes>{});
+    case 256: return run(std::integral_constant<int64_t, 256 / kPairLanes>{});
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
   }
 }
