@@ -110,8 +110,8 @@ inline void store(float* p, Vec v) { std::memcpy(p, &v, sizeof(v)); }
 // 2 * kLanes fp32 values in order.
 inline Pair load_pair(const float* p) { return {load(p), load(p + kLanes)}; }
 
-// 2 * kLanes bf16 values as fp32: the even and the odd elements. A bf16 value is the upper half of
-// the fp32 value with the same bits, and a little-endian 32-bit word holds element 2i in
+// 2 * kLanes bf16 values as fp32: the even and the odd elements. A bf16 value is the upper
+// half of the fp32 value with the same bits, and a little-endian 32-bit word holds element 2i in
 // its low half and 2i + 1 in its high half.
 inline Pair load_pair(const at::BFloat16* p) {
   IntVec words;
