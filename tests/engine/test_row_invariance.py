@@ -27,8 +27,8 @@ PROMPTS = ["The capital of France is", "Paged attention keeps keys and values in
 
 @pytest.fixture(
     scope="module",
-    params=[{"dtype": "auto"}, {"dtype": "float32"}, {"attention_backend": "torch"}],
-    ids=["auto", "fp32", "torch-attention"],
+    params=[{"dtype": "bfloat16"}, {"dtype": "float32"}, {"attention_backend": "torch"}],
+    ids=["bf16", "fp32", "torch-attention"],
 )
 def llm(request: pytest.FixtureRequest) -> Iterator[LLM]:
     yield LLM("default", kv_cache_memory="32MiB", max_model_len=256, **request.param)
