@@ -62,6 +62,9 @@ class Setup:
             context_lens=self.context_lens,
             query_start_host=self.query_start.numpy(),
             context_lens_host=self.context_lens.numpy(),
+            positions_host=np.concatenate(
+                [np.arange(n - q, n) for n, q in zip(context_lens, queries, strict=True)]
+            ),
         )
         token_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * self.kv_cache.element_size()
         self.kv_bytes = int(self.context_lens.sum()) * token_bytes

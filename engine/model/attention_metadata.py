@@ -30,9 +30,10 @@ class PagedAttentionMetadata:
     Invariants: `slot_mapping[i]` is the KV slot of packed token i; sequence b owns the
     packed rows `[query_start[b], query_start[b + 1])`, the last rows of its context of
     `context_lens[b]` tokens (cached tokens, earlier chunks and this step's), which
-    `block_tables[b]` stores in order (padded past its last block with block 0). The
-    `_host` arrays are CPU copies of `query_start` and `context_lens`, for Python-side
-    loops that must not wait on the device.
+    `block_tables[b]` stores in order (padded past its last block with block 0);
+    `positions_host[i]` is packed token i's position in its sequence. The `_host` arrays
+    live on the CPU (`query_start` and `context_lens` are copies), for Python-side work
+    that must not wait on the device.
     """
 
     kv_cache: torch.Tensor
@@ -42,6 +43,7 @@ class PagedAttentionMetadata:
     context_lens: torch.Tensor
     query_start_host: np.ndarray
     context_lens_host: np.ndarray
+    positions_host: np.ndarray
     _split: DecodePrefillSplit | None = field(default=None, repr=False)
 
     def decode_prefill_split(self) -> DecodePrefillSplit:

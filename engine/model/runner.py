@@ -76,6 +76,7 @@ class ModelRunner:
             context_lens=self._tensor(context_lens),
             query_start_host=query_start,
             context_lens_host=context_lens,
+            positions_host=positions,
         )
         output = self.model(
             input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64))[None],

@@ -23,10 +23,11 @@ its sequence.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.attention_metadata import DecodePrefillSplit, PagedAttentionMetadata
 
 # Rows times heads times block_size then fills 64-float vectors for any head count.
 ROW_MULTIPLE = 8
@@ -42,10 +43,9 @@ def blockwise_attention(
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    starts, lens = meta.query_start_host, meta.context_lens_host
-    counts = torch.from_numpy(starts[1:] - starts[:-1])
+    counts = torch.from_numpy(np.diff(meta.query_start_host))
     seq_of_row = torch.arange(len(counts)).repeat_interleave(counts)
-    positions = torch.arange(rows) + torch.from_numpy(lens - starts[1:])[seq_of_row]
+    positions = torch.from_numpy(meta.positions_host)
     last_block = int(positions.max()) // block_size if rows else -1
     pad = -rows % ROW_MULTIPLE
     positions = F.pad(positions, (0, pad)).to(q.device)  # padding rows: position 0 of seq 0
@@ -105,7 +105,13 @@ def gathered_attention(
     return out
 
 
-def _decode_attention(q, k_cache, v_cache, split, scale) -> torch.Tensor:
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    split: DecodePrefillSplit,
+    scale: float,
+) -> torch.Tensor:
     """One query token per row, grouped by KV head: q `[B, H, D]` -> `[B, H, D]`."""
     rows, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[-2]

@@ -75,6 +75,9 @@ class Case:
             context_lens=lens,
             query_start_host=starts.numpy(),
             context_lens_host=lens.numpy(),
+            positions_host=np.concatenate(
+                [np.arange(n - q, n) for n, q in zip(self.context_lens, self.queries, strict=True)]
+            ),
         )
 
     def select(self, sequence: int, first: int, end: int) -> Case:

@@ -55,6 +55,7 @@ def run_step(llm: LLM, prompts: list[list[int]], first_blocks: list[int]) -> dic
         context_lens=torch.from_numpy(counts),
         query_start_host=starts,
         context_lens_host=counts,
+        positions_host=np.concatenate([np.arange(c) for c in counts]),
     )
     recorded: dict[str, Any] = {}
 
@@ -72,7 +73,7 @@ def run_step(llm: LLM, prompts: list[list[int]], first_blocks: list[int]) -> dic
     try:
         with torch.inference_mode():
             ids = torch.tensor([list(chain.from_iterable(prompts))])
-            positions = torch.from_numpy(np.concatenate([np.arange(c) for c in counts]))[None]
+            positions = torch.from_numpy(meta.positions_host)[None]
             engine.model(
                 input_ids=ids, position_ids=positions, use_cache=False, paged_metadata=meta
             )
