@@ -9,6 +9,14 @@ server. Prints the tables and the serving output throughput at the highest concu
 next to the offline figures; the HTTP overhead is taken against the offline run with as
 many sequences in a batch as the server had in flight. The runs take turns, so they
 never share the CPU. Reports, the server log and the plot go to `--out`.
+
+`--suite gpu` (on a CUDA machine only; it refuses to start without one) runs, in bf16,
+`bench.throughput` with each of the presets w1, w2 and nano through pagedserve and
+transformers' `generate_batch`, then the server (`--config`, default configs/cuda.yaml)
+at concurrency 1, 8, 32 and 128 with W1's output length and about its prompt length. In
+both suites `--model` replaces every run's model, `--throughput-args` come after the
+suite's own flags (so they override them), and the printed tables also go to
+`--out`/tables.txt.
 """
 
 from __future__ import annotations
@@ -30,6 +38,17 @@ from bench.tables import free_port, positive_ints
 
 READY_TIMEOUT = 600.0  # the first start converts the default model
 STOP_TIMEOUT = 60.0
+# Per suite, the defaults of the flags left unset on the command line.
+SUITES: dict[str, dict[str, Any]] = {
+    "default": {"config": Path("configs/default.yaml"), "concurrency": [1, 8, 32]},
+    "gpu": {"config": Path("configs/cuda.yaml"), "concurrency": [1, 8, 32, 128]},
+}
+GPU_WORKLOADS = ("w1", "w2", "nano")
+# 32GiB: the KV cache each engine got in the GPU kit's W2 and nano runs (--throughput-args
+# overrides it, e.g. for a model whose 256 sequences of 2,048 tokens need more).
+GPU_THROUGHPUT_FLAGS = (
+    "--dtype=bfloat16", "--kv-cache-memory=32GiB", "--engines=pagedserve,generate_batch",
+)  # fmt: skip
 
 
 def run_module(module: str, *args: str) -> str:
@@ -39,10 +58,14 @@ def run_module(module: str, *args: str) -> str:
     return subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout
 
 
-def start_server(config: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    """`pagedserve serve` on 127.0.0.1:`port`, returned once /health answers 200."""
+def start_server(
+    config: Path, port: int, log: Path, model: str | None = None
+) -> subprocess.Popen[bytes]:
+    """`pagedserve serve` on 127.0.0.1:`port` (with `model` instead of the config's when
+    given), returned once /health answers 200."""
     command = [sys.executable, "-m", "server", "serve", "--config", str(config)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
+    command += [] if model is None else ["--model", model]
     print(f"$ {' '.join(command)} > {log} 2>&1", file=sys.stderr, flush=True)
     with log.open("wb") as log_file:
         server = subprocess.Popen(command, stdout=log_file, stderr=subprocess.STDOUT)
@@ -109,9 +132,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="python -m bench.run_all",
         description="Offline throughput and HTTP serving benchmarks of pagedserve, compared.",
     )
-    parser.add_argument("--config", type=Path, default=Path("configs/default.yaml"))
     parser.add_argument(
-        "--concurrency", type=positive_ints, default=[1, 8, 32], help="bench.serve's levels"
+        "--suite", choices=sorted(SUITES), default="default",
+        help="default: one offline workload, then the server; gpu: w1, w2 and nano against "
+        "generate_batch, then the server (CUDA only)",
+    )  # fmt: skip
+    parser.add_argument("--model", help="every run's model (default: each tool's own)")
+    parser.add_argument(
+        "--config", type=Path, help="the server's settings (configs/default.yaml; gpu: cuda.yaml)"
+    )
+    parser.add_argument(
+        "--concurrency", type=positive_ints, help="bench.serve's levels (1,8,32; gpu: 1,8,32,128)"
     )
     parser.add_argument(
         "--throughput-args",
@@ -120,53 +151,105 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="extra bench.throughput flags, e.g. '--engines pagedserve --num-requests 16'",
     )
     parser.add_argument("--out", type=Path, default=Path("bench/results"), help="report folder")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for key, value in SUITES[args.suite].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def throughput_flags(args: argparse.Namespace, *suite_flags: str) -> list[str]:
+    """bench.throughput's flags: the suite's, then `--model`, then `--throughput-args`; of a
+    flag given twice, argparse keeps the last."""
+    model = [] if args.model is None else [f"--model={args.model}"]
+    return [*suite_flags, *model, *args.throughput_args]
+
+
+def run_throughput(flags: Sequence[str], path: Path) -> tuple[str, dict[str, Any]]:
+    """`bench.throughput` with `flags`: its table and its JSON report (written to `path`)."""
+    table = run_module("bench.throughput", *flags, f"--json={path}")
+    return table, json.loads(path.read_text())
+
+
+def run_serving(
+    args: argparse.Namespace, offline: dict[str, Any], plot: bool
+) -> tuple[str, dict[str, Any]]:
+    """bench.serve against a server started for it, at every level of `--concurrency`, with
+    the offline workload's mean output length and about its mean prompt length (one random
+    word is about one token); its table and its JSON report."""
+    workload = offline["workload"]
+    prompt_words = max(1, round(workload["prompt_tokens"] / workload["requests"]))
+    max_tokens = round(workload["output_tokens"] / workload["requests"])
+    path = args.out / "serve.json"
+    flags = [
+        f"--concurrency={','.join(map(str, args.concurrency))}",
+        f"--max-tokens={max_tokens}",
+        f"--prompt-words={prompt_words}",
+        "--ignore-eos",
+        f"--json={path}",
+    ]
+    flags += [f"--plot={args.out / 'serve.png'}"] if plot else []
+    port = free_port()
+    server = start_server(args.config, port, args.out / "server.log", args.model)
+    try:
+        table = run_module("bench.serve", f"--url=http://127.0.0.1:{port}", *flags)
+    finally:
+        stop_server(server)
+    return table, json.loads(path.read_text())
+
+
+def default_suite(args: argparse.Namespace) -> list[str]:
+    """The offline run, pagedserve alone at the highest concurrency, then the server."""
+    offline_table, offline = run_throughput(throughput_flags(args), args.out / "throughput.json")
+    concurrency = max(args.concurrency)
+    matched_table, matched = run_throughput(
+        [*throughput_flags(args), "--engines=pagedserve", f"--max-num-seqs={concurrency}"],
+        args.out / "throughput-matched.json",
+    )
+    serving_table, serving = run_serving(args, offline, plot=True)
+    return [
+        "== offline throughput: python -m bench.throughput ==",
+        offline_table.rstrip(),
+        f"\n== the same, pagedserve with at most {concurrency} sequences in a batch ==",
+        matched_table.rstrip(),
+        "\n== HTTP serving: python -m bench.serve (latencies in ms) ==",
+        serving_table.rstrip(),
+        "\n== serving against offline ==",
+        comparison(offline, matched, serving),
+    ]
+
+
+def require_cuda() -> None:
+    """Refuse, before any run, to measure a GPU suite without a CUDA device."""
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "bench.run_all: --suite gpu needs a CUDA GPU, and torch sees none "
+            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'})"
+        )
+
+
+def gpu_suite(args: argparse.Namespace) -> list[str]:
+    """Each of GPU_WORKLOADS through pagedserve and generate_batch, then the server with
+    W1's shape (no plot: the GPU image need not have matplotlib)."""
+    lines, reports = [], {}
+    for workload in GPU_WORKLOADS:
+        flags = throughput_flags(args, f"--workload={workload}", *GPU_THROUGHPUT_FLAGS)
+        table, reports[workload] = run_throughput(flags, args.out / f"throughput-{workload}.json")
+        lines += [f"== offline {workload}: python -m bench.throughput ==", table.rstrip(), ""]
+    serving_table, _ = run_serving(args, reports["w1"], plot=False)
+    return [*lines, "== HTTP serving, W1's shape: python -m bench.serve ==", serving_table.rstrip()]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
+    if args.suite == "gpu":
+        require_cuda()
     args.out.mkdir(parents=True, exist_ok=True)
-    offline_json, serving_json = args.out / "throughput.json", args.out / "serve.json"
-    matched_json = args.out / "throughput-matched.json"
-
-    offline_table = run_module(
-        "bench.throughput", *args.throughput_args, "--json", str(offline_json)
-    )
-    offline = json.loads(offline_json.read_text())
-    workload = offline["workload"]
-    concurrency = max(args.concurrency)
-    matched_table = run_module(
-        "bench.throughput", *args.throughput_args, "--engines=pagedserve",
-        f"--max-num-seqs={concurrency}", "--json", str(matched_json),
-    )  # fmt: skip
-    matched = json.loads(matched_json.read_text())
-    prompt_words = max(1, round(workload["prompt_tokens"] / workload["requests"]))
-
-    port = free_port()
-    server = start_server(args.config, port, args.out / "server.log")
-    try:
-        serving_table = run_module(
-            "bench.serve",
-            f"--url=http://127.0.0.1:{port}",
-            f"--concurrency={','.join(map(str, args.concurrency))}",
-            f"--max-tokens={workload['output_len']}",
-            f"--prompt-words={prompt_words}",
-            "--ignore-eos",
-            f"--json={serving_json}",
-            f"--plot={args.out / 'serve.png'}",
-        )
-    finally:
-        stop_server(server)
-    serving = json.loads(serving_json.read_text())
-
-    print("== offline throughput: python -m bench.throughput ==")
-    print(offline_table.rstrip())
-    print(f"\n== the same, pagedserve with at most {concurrency} sequences in a batch ==")
-    print(matched_table.rstrip())
-    print("\n== HTTP serving: python -m bench.serve (latencies in ms) ==")
-    print(serving_table.rstrip())
-    print("\n== serving against offline ==")
-    print(comparison(offline, matched, serving))
+    tables = "\n".join(gpu_suite(args) if args.suite == "gpu" else default_suite(args))
+    (args.out / "tables.txt").write_text(tables + "\n")
+    print(tables)
     print(f"\nreports in {args.out}/")
 
 

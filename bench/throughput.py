@@ -1,10 +1,18 @@
 """Offline throughput: pagedserve against transformers' own generation, in one run.
 
-`python -m bench.throughput` runs one fixed workload (W1: random prompts, every request
-generating exactly `--output-len` tokens, greedy) through pagedserve, through
-transformers' continuous batching (`generate_batch`) and through plain `generate` in
-static left-padded batches, all in the same dtype with the same prompts, and prints a
-table with each engine's output throughput as a ratio to `generate_batch`.
+`python -m bench.throughput` runs one fixed workload of random prompts, greedy and ignoring
+end of sequence, through pagedserve, through transformers' continuous batching
+(`generate_batch`) and through plain `generate` in static left-padded batches, all in the
+same dtype with the same prompts, and prints a table with each engine's output throughput
+as a ratio to `generate_batch`. `--workload` picks the preset: w1 (64 requests, prompts of
+64-256 tokens, 128 output tokens each), w2 (512 requests, 128-512, 256 each, at most 256
+sequences in a batch) or nano (nano-vllm's bench.py: 256 requests, prompt and output
+lengths each uniform in 100-1024, at most 256 sequences). Flags given override the preset.
+
+Requests whose output lengths differ reach `generate_batch`'s engine through its manager's
+`add_request` (`generate_batch` itself takes one `max_new_tokens`), and plain `generate`
+stops each row of a static batch at its own length while the batch runs until its longest
+row is done; the report says so next to those engines.
 
 `--workload shared-prefix` runs a long common system prompt followed by short distinct
 questions through pagedserve twice, with prefix caching on and off, and compares time to
@@ -35,7 +43,10 @@ from transformers import (
     ContinuousBatchingConfig,
     GenerationConfig,
     PreTrainedModel,
+    StoppingCriteria,
+    StoppingCriteriaList,
 )
+from transformers.generation.continuous_batching.requests import GenerationOutput
 
 from bench.tables import format_table
 from bench.workloads import Workload, ordinary_token_ids, random_workload, shared_prefix_workload
@@ -56,18 +67,28 @@ PEER_ATTENTION = "sdpa"
 # Tokens per page of transformers' continuous-batching cache (its default).
 CB_PAGE_SIZE = 256
 WARMUP_SEED = 1
-# Per workload, the defaults of the flags left unset on the command line.
+# Per workload, the defaults of the flags left unset on the command line; then FALLBACKS.
 DEFAULTS: dict[str, dict[str, int]] = {
     "w1": {"num_requests": 64, "min_prompt": 64, "max_prompt": 256, "output_len": 128},
+    "w2": {
+        "num_requests": 512, "min_prompt": 128, "max_prompt": 512, "output_len": 256,
+        "max_num_seqs": 256,
+    },
+    "nano": {
+        "num_requests": 256, "min_prompt": 100, "max_prompt": 1024, "output_len": 100,
+        "max_output_len": 1024, "max_num_seqs": 256,
+    },
     "shared-prefix": {"num_requests": 32, "prefix_len": 1000, "tail_len": 32, "output_len": 64},
-}
+}  # fmt: skip
+FALLBACKS = {"max_num_seqs": EngineConfig.model_fields["max_num_seqs"].default}
 
 
 @dataclass(slots=True)
 class RunResult:
     """One timed run of one engine over a whole workload.
 
-    The TTFT and cache fields are pagedserve's only (None for transformers' peers).
+    The TTFT and cache fields are pagedserve's only (None for transformers' peers); `note`
+    says how an engine ran a workload its usual call cannot express (None: the usual way).
     """
 
     engine: str
@@ -78,6 +99,7 @@ class RunResult:
     ttft_median_ms: float | None = None
     cached_prompt_tokens: int | None = None
     preemptions: int | None = None
+    note: str | None = None
 
     @property
     def tokens_per_second(self) -> float:
@@ -92,10 +114,10 @@ def run_pagedserve(
 ) -> RunResult:
     """Build an LLM from `config`, warm it up, then time `generate` over the workload."""
     llm = LLM(**config.model_dump())
-    llm.generate(warmup.prompts, _greedy_params(warmup.output_len), use_tqdm=False)
+    llm.generate(warmup.prompts, _greedy_params(warmup), use_tqdm=False)
     preemptions_before = llm.engine.stats().num_preemptions
     start = perf_counter()
-    outputs = llm.generate(workload.prompts, _greedy_params(workload.output_len), use_tqdm=False)
+    outputs = llm.generate(workload.prompts, _greedy_params(workload), use_tqdm=False)
     seconds = perf_counter() - start
     failed = [output.error for output in outputs if output.error is not None]
     if failed:
@@ -117,8 +139,12 @@ def run_pagedserve(
     )
 
 
-def _greedy_params(output_len: int) -> SamplingParams:
-    return SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+def _greedy_params(workload: Workload) -> list[SamplingParams]:
+    """One per request, each generating exactly its request's output length."""
+    return [
+        SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+        for length in workload.output_lens
+    ]
 
 
 def run_generate_batch(
@@ -127,19 +153,24 @@ def run_generate_batch(
     """transformers' continuous batching with pagedserve's batch budgets and KV-cache size.
 
     The manager (its cache allocation and set-up) is made by the warm-up call and kept for
-    the timed one, as pagedserve's engine is built before its timed run.
+    the timed one, as pagedserve's engine is built before its timed run. A workload whose
+    output lengths differ goes to that manager directly (see `_generate_per_request`).
     """
     # EOS id -1 disables end-of-sequence, so every request runs to max_new_tokens.
     generation_config = GenerationConfig(do_sample=False, eos_token_id=-1)
+    cb_config = _cb_config(loaded.model, config)
 
     def generate(batch: Workload) -> int:
-        outputs = loaded.model.generate_batch(
-            inputs=batch.prompts,
-            generation_config=generation_config,
-            continuous_batching_config=_cb_config(loaded.model, config),
-            persistent_manager=True,
-            max_new_tokens=batch.output_len,
-        )
+        if batch.output_len is None:
+            outputs = _generate_per_request(loaded.model, batch, generation_config, cb_config)
+        else:
+            outputs = loaded.model.generate_batch(
+                inputs=batch.prompts,
+                generation_config=generation_config,
+                continuous_batching_config=cb_config,
+                persistent_manager=True,
+                max_new_tokens=batch.output_len,
+            )
         failed = [output for output in outputs.values() if output.error is not None]
         if len(outputs) != batch.num_requests or failed:
             raise RuntimeError(
@@ -150,9 +181,39 @@ def run_generate_batch(
 
     try:
         generate(warmup)
-        return _timed(BASELINE, workload, lambda: generate(workload))
+        result = _timed(BASELINE, workload, lambda: generate(workload))
     finally:
         loaded.model.destroy_cached_continuous_batching_manager()
+    if workload.output_len is None:
+        result.note = (
+            "per-request lengths through generate_batch's ContinuousBatchingManager.add_request "
+            "(generate_batch takes one max_new_tokens)"
+        )
+    return result
+
+
+def _generate_per_request(
+    model: PreTrainedModel,
+    batch: Workload,
+    generation_config: GenerationConfig,
+    cb_config: ContinuousBatchingConfig,
+) -> dict[str, GenerationOutput]:
+    """`generate_batch`'s own steps (its manager, every request added at once, results
+    collected until all are finished) with one `max_new_tokens` per request."""
+    results: dict[str, GenerationOutput] = {}
+    with model.continuous_batching_context_manager(
+        generation_config=generation_config, continuous_batching_config=cb_config,
+        block=True, timeout=5, persistent_manager=True,
+    ) as manager:  # fmt: skip
+        for prompt, length in zip(batch.prompts, batch.output_lens, strict=True):
+            manager.add_request(prompt, max_new_tokens=length)
+        while len(results) < batch.num_requests:
+            result = manager.get_result(timeout=1)
+            if result is None and not manager.is_running():
+                break  # check_complete reports the missing requests
+            if result is not None and result.is_finished():
+                results[result.request_id] = result
+    return results
 
 
 def _cb_config(model: PreTrainedModel, config: EngineConfig) -> ContinuousBatchingConfig:
@@ -177,35 +238,54 @@ def _cb_config(model: PreTrainedModel, config: EngineConfig) -> ContinuousBatchi
 def run_generate(
     loaded: LoadedModel, workload: Workload, warmup: Workload, batch_size: int
 ) -> RunResult:
-    """Plain `generate` over consecutive static batches of `batch_size` left-padded prompts."""
+    """Plain `generate` over consecutive static batches of `batch_size` left-padded prompts;
+    each row stops at its request's output length, each batch at its longest row's."""
     pad_id = loaded.tokenizer.pad_token_id
     if pad_id is None:
         pad_id = min(loaded.eos_token_ids)
 
     def generate(batch: Workload) -> int:
-        # min_new_tokens = max_new_tokens masks EOS, so every row generates the full length.
-        generation_config = GenerationConfig(
-            max_new_tokens=batch.output_len,
-            min_new_tokens=batch.output_len,
-            do_sample=False,
-            eos_token_id=sorted(loaded.eos_token_ids),
-            pad_token_id=pad_id,
-        )
         generated = 0
         for start in range(0, batch.num_requests, batch_size):
+            lengths = batch.output_lens[start : start + batch_size]
             input_ids, attention_mask = left_pad(
                 batch.prompts[start : start + batch_size], pad_id, loaded.model.device
+            )
+            # min_new_tokens = max_new_tokens masks EOS, so every row runs to its length.
+            generation_config = GenerationConfig(
+                max_new_tokens=max(lengths),
+                min_new_tokens=max(lengths),
+                do_sample=False,
+                eos_token_id=sorted(loaded.eos_token_ids),
+                pad_token_id=pad_id,
             )
             output = loaded.model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 generation_config=generation_config,
+                stopping_criteria=StoppingCriteriaList([RowLengths(input_ids, lengths)]),
             )
-            generated += output[:, input_ids.shape[1] :].numel()
+            steps = output.shape[1] - input_ids.shape[1]
+            generated += sum(min(length, steps) for length in lengths)
         return generated
 
     generate(warmup)
-    return _timed(f"generate (batch {batch_size})", workload, lambda: generate(workload))
+    result = _timed(f"generate (batch {batch_size})", workload, lambda: generate(workload))
+    if workload.output_len is None:
+        result.note = "rows stop at their own lengths; a static batch runs until its longest"
+    return result
+
+
+class RowLengths(StoppingCriteria):
+    """Stops row `i` of a batch once it has generated `lengths[i]` tokens after the (padded)
+    prompt columns of `prompt_ids`; `generate` pads stopped rows until every row stopped."""
+
+    def __init__(self, prompt_ids: torch.Tensor, lengths: Sequence[int]) -> None:
+        self.prompt_width = prompt_ids.shape[1]
+        self.lengths = torch.tensor(lengths, device=prompt_ids.device)
+
+    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        return input_ids.shape[1] - self.prompt_width >= self.lengths
 
 
 def left_pad(
@@ -271,12 +351,12 @@ def build_workloads(args: argparse.Namespace) -> tuple[Workload, Workload]:
     else:
         workload = random_workload(
             args.num_requests, args.min_prompt, args.max_prompt, args.output_len, token_ids,
-            args.seed,
+            args.seed, args.max_output_len,
         )  # fmt: skip
     return workload, warmup
 
 
-def run_w1(
+def run_engines(
     args: argparse.Namespace, config: EngineConfig, workload: Workload, warmup: Workload
 ) -> list[RunResult]:
     """Every engine asked for, pagedserve first; one peer model serves both HF engines."""
@@ -362,7 +442,7 @@ def _run_cells(r: RunResult) -> list[str]:
     ]  # fmt: skip
 
 
-def w1_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
+def engines_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
     headers = [*RUN_HEADERS, f"vs {BASELINE}"]
     rows = [
         [*_run_cells(r), f"{ratios[r.engine]:.2f}x" if r.engine in ratios else "-"] for r in results
@@ -373,6 +453,7 @@ def w1_report(results: Sequence[RunResult], ratios: dict[str, float]) -> str:
         for engine, ratio in ratios.items()
         if engine != BASELINE
     ]
+    lines += [f"note, {r.engine}: {r.note}" for r in results if r.note is not None]
     return "\n".join(lines)
 
 
@@ -398,17 +479,23 @@ def shared_prefix_report(results: Sequence[RunResult], ratios: dict[str, float])
 
 def write_json(
     path: Path,
+    preset: str,
     config: EngineConfig,
     workload: Workload,
     results: Sequence[RunResult],
     ratios: dict[str, float],
 ) -> None:
+    """`output_len` is None when the requests' output lengths differ."""
     report: dict[str, Any] = {
         "workload": {
             "name": workload.name,
+            "preset": preset,
             "requests": workload.num_requests,
             "prompt_tokens": workload.num_prompt_tokens,
             "output_len": workload.output_len,
+            "min_output_len": min(workload.output_lens),
+            "max_output_len": max(workload.output_lens),
+            "output_tokens": workload.num_output_tokens,
         },
         "config": config.model_dump(mode="json"),
         "peer_attention": PEER_ATTENTION,
@@ -429,8 +516,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--workload", choices=sorted(DEFAULTS), default="w1",
-        help="w1: random prompts through every engine (default); shared-prefix: a long common "
-        "prefix through pagedserve with prefix caching on and off",
+        help="w1, w2, nano: random prompts through every engine (default: w1); shared-prefix: "
+        "a long common prefix through pagedserve with prefix caching on and off",
     )  # fmt: skip
     parser.add_argument("--model", default="default", help="pagedserve's model setting")
     parser.add_argument(
@@ -439,16 +526,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--engines", type=_engine_list, default=list(ENGINES),
-        help=f"comma list of {','.join(ENGINES)} (w1 only)",
+        help=f"comma list of {','.join(ENGINES)} (not shared-prefix)",
     )  # fmt: skip
-    parser.add_argument("--num-requests", type=int, help="w1: 64; shared-prefix: 32")
-    parser.add_argument("--min-prompt", type=int, help="w1: shortest prompt, tokens (64)")
-    parser.add_argument("--max-prompt", type=int, help="w1: longest prompt, tokens (256)")
+    parser.add_argument("--num-requests", type=int, help="w1: 64; w2: 512; nano: 256; prefix: 32")
+    parser.add_argument("--min-prompt", type=int, help="shortest prompt, tokens (w1: 64)")
+    parser.add_argument("--max-prompt", type=int, help="longest prompt, tokens (w1: 256)")
     parser.add_argument("--prefix-len", type=int, help="shared-prefix: common prefix (1000)")
     parser.add_argument("--tail-len", type=int, help="shared-prefix: distinct tail (32)")
     parser.add_argument(
-        "--output-len", type=int, help="tokens every request generates (w1: 128; shared-prefix: 64)"
-    )
+        "--output-len", type=int,
+        help="tokens every request generates (w1: 128; w2: 256; shared-prefix: 64), or with "
+        "--max-output-len the fewest (nano: 100)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-output-len", type=int,
+        help="the most output tokens: each request's length is uniform in [output-len, "
+        "max-output-len] (nano: 1024; the others: unset, every request generates output-len)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="seed of the prompts")
     parser.add_argument(
         "--generate-batch-size", type=int, default=16, help="static batch size of plain generate"
@@ -458,17 +552,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="pagedserve's KV cache (generate_batch gets the same), e.g. 2GiB",
     )  # fmt: skip
     parser.add_argument(
-        "--max-num-seqs", type=int, default=EngineConfig.model_fields["max_num_seqs"].default,
-        help="sequences in one batch, pagedserve's and generate_batch's (default: %(default)s)",
+        "--max-num-seqs", type=int,
+        help="sequences in one batch, pagedserve's and generate_batch's (w2, nano: 256; the "
+        f"others: {FALLBACKS['max_num_seqs']})",
     )  # fmt: skip
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads for every engine (default: torch's)"
     )
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
-    for key, value in DEFAULTS[args.workload].items():
+    for key, value in {**FALLBACKS, **DEFAULTS[args.workload]}.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    if args.max_output_len is not None and args.workload == "shared-prefix":
+        parser.error("--max-output-len does not apply to shared-prefix")
+    if args.max_output_len is not None and args.max_output_len < args.output_len:
+        parser.error("--max-output-len must be at least --output-len")
     return args
 
 
@@ -495,8 +594,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     config = build_config(args)
     workload, warmup = build_workloads(args)
     logger.info(
-        "%s: %d requests, %d prompt tokens, %d output tokens each; %s on %s",
-        workload.name, workload.num_requests, workload.num_prompt_tokens, workload.output_len,
+        "%s: %d requests, %d prompt tokens, %d output tokens (%d-%d a request); %s on %s",
+        args.workload, workload.num_requests, workload.num_prompt_tokens,
+        workload.num_output_tokens, min(workload.output_lens), max(workload.output_lens),
         config.dtype, config.device,
     )  # fmt: skip
     if args.workload == "shared-prefix":
@@ -504,11 +604,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         ratios = prefix_ratios(results)
         print(shared_prefix_report(results, ratios))
     else:
-        results = run_w1(args, config, workload, warmup)
+        results = run_engines(args, config, workload, warmup)
         ratios = throughput_ratios(results)
-        print(w1_report(results, ratios))
+        print(engines_report(results, ratios))
     if args.json is not None:
-        write_json(args.json, config, workload, results, ratios)
+        write_json(args.json, args.workload, config, workload, results, ratios)
 
 
 if __name__ == "__main__":

@@ -11,8 +11,18 @@ import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import step_profile, throughput
-from bench.workloads import ordinary_token_ids, random_workload, shared_prefix_workload
-from engine.model.attention import ATTN_IMPLEMENTATION_CPP, paged_attention_forward
+from bench.workloads import (
+    Workload,
+    ordinary_token_ids,
+    random_workload,
+    shared_prefix_workload,
+)
+from engine.model.attention import (
+    ATTN_IMPLEMENTATION,
+    ATTN_IMPLEMENTATION_CPP,
+    paged_attention_forward,
+)
+from engine.model.kernels.paged_attention import unavailable_reason
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +39,60 @@ def test_workloads_are_seeded_and_avoid_excluded_ids():
     assert first.num_output_tokens == 24
     shared = shared_prefix_workload(3, 10, 2, 4, token_ids)
     assert all(p[:10] == shared.prompts[0][:10] and len(p) == 12 for p in shared.prompts)
+    assert first.output_len == shared.output_len == 4
+
+
+def test_output_lengths_per_request_leave_the_prompts_of_a_seed_alone():
+    token_ids = ordinary_token_ids(50, excluded=[])
+    fixed = random_workload(40, 3, 9, 5, token_ids, seed=7)
+    varied = random_workload(40, 3, 9, 5, token_ids, seed=7, max_output_len=12)
+    assert varied.prompts == fixed.prompts
+    assert all(5 <= n <= 12 for n in varied.output_lens) and len(set(varied.output_lens)) > 1
+    assert varied.output_len is None
+    assert varied.num_output_tokens == sum(varied.output_lens)
+    with pytest.raises(ValueError, match="output_len <= max_output_len"):
+        random_workload(2, 3, 9, 5, token_ids, max_output_len=4)
+    with pytest.raises(ValueError, match="one positive output length per prompt"):
+        Workload("bad", [[1], [2]], [3])
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (["--workload", "w1"], (64, 64, 256, 128, None, 128)),
+        (["--workload", "w2"], (512, 128, 512, 256, None, 256)),
+        (["--workload", "nano"], (256, 100, 1024, 100, 1024, 256)),
+        # Flags given win over the preset, one by one.
+        (["--workload", "w2", "--max-num-seqs", "64", "--output-len", "32"],
+         (512, 128, 512, 32, None, 64)),
+        (["--workload", "nano", "--num-requests", "8", "--max-output-len", "200"],
+         (8, 100, 1024, 100, 200, 256)),
+        (["--max-output-len", "300"], (64, 64, 256, 128, 300, 128)),
+    ],
+)  # fmt: skip
+def test_presets_fill_only_the_flags_left_unset(argv: list[str], expected: tuple) -> None:
+    args = throughput.parse_args(argv)
+    names = ("num_requests", "min_prompt", "max_prompt", "output_len", "max_output_len")
+    assert tuple(getattr(args, name) for name in (*names, "max_num_seqs")) == expected
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--workload", "nano", "--output-len", "2000"],
+        ["--workload", "shared-prefix", "--max-output-len", "9"],
+    ],
+)
+def test_output_length_flags_that_cannot_hold_are_refused(argv: list[str]) -> None:
+    with pytest.raises(SystemExit):
+        throughput.parse_args(argv)
+
+
+def test_row_lengths_stop_each_row_at_its_own_length():
+    prompt_ids = torch.zeros((3, 4), dtype=torch.long)
+    stop = throughput.RowLengths(prompt_ids, [1, 3, 2])
+    assert stop(torch.zeros((3, 6)), None).tolist() == [True, False, True]
+    assert stop(torch.zeros((3, 7)), None).tolist() == [True, True, True]
 
 
 def test_left_pad_puts_prompts_at_the_right_edge():
@@ -55,6 +119,28 @@ def test_w1_runs_every_engine_and_writes_json(tiny_llama: str, tmp_path: Path, c
     assert "pagedserve / generate_batch" in capsys.readouterr().out
 
 
+def test_per_request_output_lengths_reach_every_engine(tiny_llama: str, tmp_path: Path, capsys):
+    path = tmp_path / "nano.json"
+    throughput.main(
+        [
+            "--workload", "nano", "--model", tiny_llama, "--dtype", "float32",
+            "--kv-cache-memory", "16MiB", "--num-requests", "5", "--min-prompt", "4",
+            "--max-prompt", "9", "--output-len", "1", "--max-output-len", "6",
+            "--generate-batch-size", "2", "--json", str(path),
+        ]
+    )  # fmt: skip
+    report = json.loads(path.read_text())
+    workload = report["workload"]
+    assert workload["preset"] == "nano" and workload["output_len"] is None
+    assert workload["min_output_len"] < workload["max_output_len"]
+    # check_complete held: every engine generated exactly the requests' total, no more.
+    assert {r["output_tokens"] for r in report["results"]} == {workload["output_tokens"]}
+    notes = {r["engine"]: r["note"] for r in report["results"]}
+    assert notes["pagedserve"] is None
+    assert "add_request" in notes["generate_batch"] and "longest" in notes["generate (batch 2)"]
+    assert "note, generate_batch: per-request lengths" in capsys.readouterr().out
+
+
 def test_shared_prefix_reports_ttft_and_cache_hits(tiny_llama: str, tmp_path: Path):
     path = tmp_path / "prefix.json"
     throughput.main(
@@ -79,6 +165,8 @@ def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
     for profile in profiles:
         assert 0 < profile.attention_ms < profile.step_ms
         assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
-    # The timing wrapper is gone again: the engine's own registration (the torch function
-    # bound to the C++ kernel) is back in place.
-    assert ALL_ATTENTION_FUNCTIONS[ATTN_IMPLEMENTATION_CPP].func is paged_attention_forward
+    # The timing wrapper is gone again: the engine's own registration (the torch function,
+    # bound to the C++ kernel where it builds) is back in place.
+    name = ATTN_IMPLEMENTATION if unavailable_reason() else ATTN_IMPLEMENTATION_CPP
+    restored = ALL_ATTENTION_FUNCTIONS[name]
+    assert getattr(restored, "func", restored) is paged_attention_forward
