@@ -6,6 +6,12 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
+
+# Triton reads this when it is imported (by whichever module is first), so it is set here:
+# without CUDA, Triton kernels run through its interpreter on the CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.tiny_models import build_model
 
