@@ -65,6 +65,7 @@ class Setup:
             positions_host=np.concatenate(
                 [np.arange(n - q, n) for n, q in zip(context_lens, queries, strict=True)]
             ),
+            max_query_len=max(queries),
         )
         token_bytes = 2 * NUM_KV_HEADS * HEAD_DIM * self.kv_cache.element_size()
         self.kv_bytes = int(self.context_lens.sum()) * token_bytes

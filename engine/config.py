@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
 
 ENV_PREFIX = "PAGEDSERVE_"
 
@@ -42,11 +42,25 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     # Attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
     # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.
-    attention_backend: Literal["auto", "torch", "cpp"] = "auto"
+    # 'triton' is the Triton kernels (CUDA; not yet run on a GPU in this project, so 'auto'
+    # keeps the torch path on CUDA).
+    attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
+    # false: decode steps replay CUDA graphs captured per batch-size bucket at start-up
+    # (needs attention_backend 'triton'). True by default until it has run on a GPU here.
+    enforce_eager: bool = True
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
     seed: int | None = None
+
+    @model_validator(mode="after")
+    def _graphs_need_triton(self) -> EngineConfig:
+        if not self.enforce_eager and self.attention_backend != "triton":
+            raise ValueError(
+                "enforce_eager false (decode graphs) needs attention_backend 'triton': "
+                "the other attention paths read host-side lengths"
+            )
+        return self
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)

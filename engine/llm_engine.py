@@ -65,7 +65,9 @@ class LLMEngine:
             config.model,
             dtype=self.dtype,
             device=self.device,
-            attn_implementation=register_paged_attention(config.attention_backend, self.device),
+            attn_implementation=register_paged_attention(
+                config.attention_backend, self.device, self.dtype, config.block_size
+            ),
         )
         check_model_supported(loaded.model)
         self.model = loaded.model
@@ -91,8 +93,15 @@ class LLMEngine:
             layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
         )
         self.runner = ModelRunner(
-            self.model, kv_cache, self.block_size, config.max_num_seqs, self.max_model_len
+            self.model,
+            kv_cache,
+            self.block_size,
+            config.max_num_seqs,
+            self.max_model_len,
+            decode_graphs=not config.enforce_eager,
         )
+        if self.device.type == "cuda":
+            self.runner.capture_graphs()
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
@@ -122,24 +131,35 @@ class LLMEngine:
         """Size the KV cache from the memory the model leaves free.
 
         On CUDA the largest batch the scheduler can form runs once first, so the peak
-        includes its activations. On the CPU there is no peak to read (psutil's available
-        memory is the figure, and `1 - memory_utilization` of it stays for activations),
-        so the forward is skipped.
+        includes its activations; with decode graphs, they are captured over that scratch
+        cache and held while the free memory is read, so their memory pool is left out of
+        the KV cache (they are captured again over the real one). On the CPU there is no
+        peak to read (psutil's available memory is the figure, and `1 - memory_utilization`
+        of it stays for activations), so the forward is skipped.
         """
+        runner = None
         if self.device.type == "cuda":
             tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
             blocks = cdiv(tokens, self.block_size)
             scratch = allocate_kv_cache(layout, blocks, self.block_size, self.dtype, self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            runner = ModelRunner(self.model, scratch, self.block_size, 1, tokens)
+            runner = ModelRunner(
+                self.model,
+                scratch,
+                self.block_size,
+                self.config.max_num_seqs,
+                self.max_model_len,
+                decode_graphs=not self.config.enforce_eager,
+            )
             seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
             item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))
             runner.update_block_tables(SchedulerOutput([item]))
             runner.execute([item])
-            del scratch, runner
+            runner.capture_graphs()
+            del scratch
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        return profile_num_blocks(
+        num_blocks = profile_num_blocks(
             block_bytes=bytes_per_block(
                 layout.num_layers, self.block_size, layout.num_kv_heads, layout.head_dim, itemsize
             ),
@@ -152,6 +172,10 @@ class LLMEngine:
             cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
             cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
         )
+        del runner  # and with it the scratch cache and any graphs captured over it
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return num_blocks
 
     # -- requests ---------------------------------------------------------------------
 

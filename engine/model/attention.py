@@ -2,10 +2,12 @@
 
 The model runs over one packed batch `[1, num_tokens]`. For every layer this function
 writes the step's new K/V into their slots of the paged KV tensor and then attends each
-query row over its sequence's blocks, through one of three implementations with one
+query row over its sequence's blocks, through one of four implementations with one
 contract (see `engine.model.torch_attention`): the C++ kernel on the CPU, the blockwise
-torch path on a CPU without it, the gathered torch path on CUDA. On the CPU a row's bits
-depend only on its query, its position and its context, never on the rest of the batch.
+torch path on a CPU without it, the gathered torch path on CUDA, and the Triton kernels
+(opt-in on CUDA: `attention_backend: triton`; they have not run on a GPU in this project
+yet). On the CPU a row's bits depend only on its query, its position and its context,
+never on the rest of the batch.
 The causal-mask construction of the model is skipped: transformers builds no mask for an
 attention implementation that has no registered mask function.
 """
@@ -26,6 +28,7 @@ from engine.model.torch_attention import blockwise_attention, gathered_attention
 ATTN_IMPLEMENTATION = "pagedserve"
 # Attention through the C++ kernel; a name of its own so both backends can coexist.
 ATTN_IMPLEMENTATION_CPP = "pagedserve_cpp"
+ATTN_IMPLEMENTATION_TRITON = "pagedserve_triton"
 
 
 def paged_attention_forward(
@@ -48,6 +51,8 @@ def paged_attention_forward(
     if paged_metadata is None:
         raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
     meta = paged_metadata
+    if meta.positions_host is None:
+        raise RuntimeError("a step without host-side lengths (a decode graph) needs Triton")
     num_kv_heads, head_dim = key.shape[1], query.shape[3]
     scale = scaling if scaling is not None else head_dim**-0.5
 
@@ -70,13 +75,62 @@ def paged_attention_forward(
     return out.unsqueeze(0), None
 
 
-def register_paged_attention(backend: str = "torch", device: torch.device | None = None) -> str:
+def triton_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_metadata: PagedAttentionMetadata | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """`paged_attention_forward`'s contract through the Triton kernels: the K/V store and
+    the attention read only device tensors, so a whole forward can be captured in a graph."""
+    from engine.model.kernels import triton_attention
+
+    if paged_metadata is None:
+        raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
+    meta = paged_metadata
+    head_dim = query.shape[3]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    k_cache, v_cache = meta.kv_cache[module.layer_idx]
+    triton_attention.store_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
+    )
+    out = triton_attention.paged_attention(
+        query[0].transpose(0, 1),
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_start,
+        meta.context_lens,
+        scale,
+        meta.max_query_len,
+    )
+    return out.unsqueeze(0), None
+
+
+def register_paged_attention(
+    backend: str = "torch",
+    device: torch.device | None = None,
+    dtype: torch.dtype = torch.float32,
+    block_size: int = 16,
+) -> str:
     """Register the function with transformers (idempotent) and return its name.
 
     `backend` is the `attention_backend` setting: 'cpp' binds the C++ kernel and raises
     if it cannot be built or `device` is not the CPU; 'auto' binds it on the CPU when it
-    builds (a failed build is logged once) and otherwise keeps torch.
+    builds (a failed build is logged once) and otherwise keeps torch; 'triton' binds the
+    Triton kernels and raises unless Triton is importable, the device is CUDA (or the
+    CPU under `TRITON_INTERPRET=1`, for tests) and the kernels take `dtype` and
+    `block_size`.
     """
+    if backend == "triton":
+        _check_triton(device, dtype, block_size)
+        AttentionInterface.register(ATTN_IMPLEMENTATION_TRITON, triton_attention_forward)
+        return ATTN_IMPLEMENTATION_TRITON
     on_cpu = device is None or device.type == "cpu"
     if backend == "cpp" and not on_cpu:
         raise ConfigError(f"attention_backend 'cpp' runs on the CPU, not on {device}")
@@ -90,6 +144,25 @@ def register_paged_attention(backend: str = "torch", device: torch.device | None
         ATTN_IMPLEMENTATION_CPP, partial(paged_attention_forward, kernel=kernel)
     )
     return ATTN_IMPLEMENTATION_CPP
+
+
+def _check_triton(device: torch.device | None, dtype: torch.dtype, block_size: int) -> None:
+    try:
+        from engine.model.kernels import triton_attention
+    except ImportError as exc:
+        raise ConfigError(
+            f"attention_backend 'triton' needs Triton (it ships with CUDA torch): {exc}"
+        ) from None
+    on_cuda = device is not None and device.type == "cuda"
+    if not on_cuda and not triton_attention.interpreted():
+        raise ConfigError(
+            "attention_backend 'triton' runs on CUDA (on the CPU only under TRITON_INTERPRET=1)"
+        )
+    if not triton_attention.supports(dtype, block_size):
+        raise ConfigError(
+            f"attention_backend 'triton' takes fp32, fp16 or bf16 and a power-of-two "
+            f"block_size of 16 or more, not {dtype} with block_size {block_size}"
+        )
 
 
 def check_model_supported(model: PreTrainedModel) -> None:

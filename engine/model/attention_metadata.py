@@ -31,9 +31,11 @@ class PagedAttentionMetadata:
     packed rows `[query_start[b], query_start[b + 1])`, the last rows of its context of
     `context_lens[b]` tokens (cached tokens, earlier chunks and this step's), which
     `block_tables[b]` stores in order (padded past its last block with block 0);
-    `positions_host[i]` is packed token i's position in its sequence. The `_host` arrays
+    `positions_host[i]` is packed token i's position in its sequence; no sequence has more
+    than `max_query_len` rows (1 in a pure decode step). The `_host` arrays
     live on the CPU (`query_start` and `context_lens` are copies), for Python-side work
-    that must not wait on the device.
+    that must not wait on the device; they are None in a step replayed from a CUDA graph,
+    which only implementations that read device tensors alone can run.
     """
 
     kv_cache: torch.Tensor
@@ -41,14 +43,16 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor
     query_start: torch.Tensor
     context_lens: torch.Tensor
-    query_start_host: np.ndarray
-    context_lens_host: np.ndarray
-    positions_host: np.ndarray
+    query_start_host: np.ndarray | None
+    context_lens_host: np.ndarray | None
+    positions_host: np.ndarray | None
+    max_query_len: int
     _split: DecodePrefillSplit | None = field(default=None, repr=False)
 
     def decode_prefill_split(self) -> DecodePrefillSplit:
         """The split, computed on the first call of the step and kept for later layers."""
         if self._split is None:
+            assert self.query_start_host is not None and self.context_lens_host is not None
             counts = np.diff(self.query_start_host)
             decode = np.flatnonzero(counts == 1)
             device = self.block_tables.device

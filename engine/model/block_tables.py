@@ -16,13 +16,21 @@ class BlockTables:
     `table[row, :lengths[row]]` are its block ids in token order; the rest of the row, and
     every row in `_free_rows`, is 0 (block 0: a padding target that exists, never read
     past a context length).
+
+    With `track_changes`, the entries written since the last `drain_changes()` are kept, so
+    a copy of the table on another device can follow it by those entries alone (cleared
+    entries need not follow: nothing reads past a sequence's length).
     """
 
-    def __init__(self, max_num_seqs: int, max_blocks_per_seq: int) -> None:
+    def __init__(
+        self, max_num_seqs: int, max_blocks_per_seq: int, track_changes: bool = False
+    ) -> None:
         self.table = np.zeros((max_num_seqs, max_blocks_per_seq), dtype=np.int64)
         self.lengths = np.zeros(max_num_seqs, dtype=np.int64)
         self._rows: dict[str, int] = {}
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self._track_changes = track_changes
+        self._changed: list[np.ndarray] = []  # flat indices into `table`, written since drain
 
     def update(self, batch: SchedulerOutput) -> None:
         for seq_id in batch.freed:
@@ -41,6 +49,15 @@ class BlockTables:
             end = start + len(item.new_block_ids)
             self.table[row, start:end] = item.new_block_ids
             self.lengths[row] = end
+            if self._track_changes:
+                self._changed.append(np.arange(start, end) + row * self.table.shape[1])
+
+    def drain_changes(self) -> tuple[np.ndarray, np.ndarray]:
+        """The flat indices into `table` written since the last call, and their block ids;
+        empty without `track_changes`."""
+        flat = np.concatenate(self._changed) if self._changed else np.zeros(0, dtype=np.int64)
+        self._changed.clear()
+        return flat, self.table.reshape(-1)[flat]
 
     def row(self, seq_id: str) -> int:
         return self._rows[seq_id]

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from cache import cdiv
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.block_tables import BlockTables
+from engine.model.decode_graphs import DecodeGraphs
+from engine.model.step_inputs import Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
 
 
@@ -21,6 +22,11 @@ class ModelRunner:
     are computed only at the last position of each sampling chunk, in batch order.
     Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
     call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
+    On a GPU a copy of them stays on the device and follows by changed entries only, and
+    a step's inputs and those entries reach the device in one copy (see `Staging`).
+
+    With `decode_graphs`, decode steps run through `DecodeGraphs` (call `capture_graphs`
+    on CUDA before the first step); the attention must then read device tensors only.
     """
 
     def __init__(
@@ -30,62 +36,98 @@ class ModelRunner:
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
+        decode_graphs: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
-        self.block_tables = BlockTables(max_num_seqs, cdiv(max_model_len, block_size))
+        on_cpu = self.device.type == "cpu"
+        self.block_tables = BlockTables(
+            max_num_seqs, cdiv(max_model_len, block_size), track_changes=not on_cpu
+        )
+        table = torch.from_numpy(self.block_tables.table)  # on the CPU: the same memory
+        self._device_tables = table if on_cpu else table.to(self.device)
+        self._staging = Staging(self.device)
+        self.graphs = (
+            DecodeGraphs(self._forward, kv_cache, self._device_tables, max_num_seqs)
+            if decode_graphs
+            else None
+        )
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:
         self.block_tables.update(batch)
 
     @torch.inference_mode()
+    def capture_graphs(self) -> None:
+        if self.graphs is not None:
+            self.graphs.capture()
+
+    @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Return float32 logits `[number of sampling chunks, vocab]`."""
-        block_size, tables = self.block_size, self.block_tables
-        input_ids: list[int] = []
-        rows, counts, starts, samples = [], [], [], []
-        for item in scheduled:
-            input_ids += item.token_ids
-            rows.append(tables.row(item.seq.seq_id))
-            counts.append(item.num_new_tokens)
-            starts.append(item.num_computed_tokens)
-            samples.append(item.samples)
-        row = np.asarray(rows, dtype=np.int64)
-        count = np.asarray(counts, dtype=np.int64)
-        start = np.asarray(starts, dtype=np.int64)
-        query_start = np.concatenate(([0], np.cumsum(count)))
-        first = query_start[:-1]  # each chunk's first index in the packed batch
-        if len(input_ids) == len(scheduled):  # a pure decode step: one token per sequence
-            positions = start
-            token_rows = row
-        else:
-            positions = np.arange(len(input_ids)) + np.repeat(start - first, count)
-            token_rows = np.repeat(row, count)
-        slots = tables.table[token_rows, positions // block_size] * block_size
-        slots += positions % block_size
+        step = build_step_inputs(scheduled, self.block_tables, self.block_size)
+        changed_at, changed_ids = self.block_tables.drain_changes()
+        if self.graphs is not None and self.graphs.fits(step):
+            inputs, changed_at_, changed_ids_ = self._staging.upload(
+                self.graphs.host_inputs(step), changed_at, changed_ids
+            )
+            self._follow_block_tables(changed_at_, changed_ids_)
+            return self.graphs.run(step, inputs).float()
+        *inputs, changed_at_, changed_ids_ = self._staging.upload(
+            step.input_ids,
+            step.positions,
+            step.slots,
+            step.rows,
+            step.query_start,
+            step.context_lens,
+            step.logits_index,
+            changed_at,
+            changed_ids,
+        )
+        self._follow_block_tables(changed_at_, changed_ids_)
+        return self._eager(step, *inputs).float()
 
-        context_lens = start + count
-        width = cdiv(int(context_lens.max()), block_size)
+    def _eager(
+        self,
+        step: StepInputs,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: torch.Tensor,
+        rows: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        logits_index: torch.Tensor,
+    ) -> torch.Tensor:
         metadata = PagedAttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=self._tensor(slots),
-            block_tables=self._tensor(tables.table[row, :width]),
-            query_start=self._tensor(query_start),
-            context_lens=self._tensor(context_lens),
-            query_start_host=query_start,
-            context_lens_host=context_lens,
-            positions_host=positions,
+            slot_mapping=slots,
+            block_tables=self._device_tables[rows, : step.width],
+            query_start=query_start,
+            context_lens=context_lens,
+            query_start_host=step.query_start,
+            context_lens_host=step.context_lens,
+            positions_host=step.positions,
+            max_query_len=step.max_query_len,
         )
+        return self._forward(input_ids[None], positions[None], logits_index, metadata)
+
+    def _forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        logits_index: torch.Tensor,
+        metadata: PagedAttentionMetadata,
+    ) -> torch.Tensor:
         output = self.model(
-            input_ids=self._tensor(np.asarray(input_ids, dtype=np.int64))[None],
-            position_ids=self._tensor(positions)[None],
-            logits_to_keep=self._tensor((first + count - 1)[np.asarray(samples, dtype=bool)]),
+            input_ids=input_ids,
+            position_ids=positions,
+            logits_to_keep=logits_index,
             use_cache=False,
             paged_metadata=metadata,
         )
-        return output.logits[0].float()
+        return output.logits[0]
 
-    def _tensor(self, array: np.ndarray) -> torch.Tensor:
-        return torch.from_numpy(np.ascontiguousarray(array)).to(self.device, non_blocking=True)
+    def _follow_block_tables(self, flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:
+        if flat_index.numel():
+            self._device_tables.view(-1)[flat_index] = block_ids

@@ -56,6 +56,7 @@ def run_step(llm: LLM, prompts: list[list[int]], first_blocks: list[int]) -> dic
         query_start_host=starts,
         context_lens_host=counts,
         positions_host=np.concatenate([np.arange(c) for c in counts]),
+        max_query_len=int(counts.max()),
     )
     recorded: dict[str, Any] = {}
 

@@ -1,0 +1,122 @@
+"""Decode steps over static, bucket-padded inputs, replayed from CUDA graphs.
+
+A decode step of B sequences runs as the smallest bucket >= B: its inputs are copied into
+the bucket's static buffer, padded with rows that write no KV slot and read one token of
+a block that exists, and the forward captured for that bucket replays. Buckets are 1, 2,
+4, then every multiple of 8 up to `max_num_seqs` rounded up to 8; larger batches and
+steps with prefill chunks run eagerly.
+
+Invariants: a bucket's static buffer and its attention metadata keep their addresses from
+capture to every replay; the captured forward reads only device tensors (the Triton
+attention backend; the torch paths read host-side lengths and cannot be captured) and the
+block tables through the runner's device copy, gathered inside the graph by row.
+
+Without CUDA (Triton's interpreter, for tests) nothing is captured: the same static,
+padded forward runs eagerly, so the bucketing and padding are tested on the CPU. Graph
+capture itself has not run on a GPU in this project yet; `enforce_eager` (the default)
+leaves this module unused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.step_inputs import StepInputs
+
+# (input ids [1, T], positions [1, T], logits index [S], metadata) -> logits [S, vocab]
+Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
+# Per row of a bucket's static buffer: input id, position, slot, context length, table row.
+FIELDS = 5
+# A padding row: token 0 at position 0, no KV slot written, a context of one token read
+# through table row 0 (its first entry is always a block id that exists).
+PADDING_ROW = (0, 0, -1, 1, 0)
+
+
+def decode_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a graph: 1, 2, 4, 8, 16, 24, ... up to max_num_seqs rounded to 8."""
+    top = -(-max_num_seqs // 8) * 8
+    return [size for size in (1, 2, 4) if size < top] + list(range(8, top + 1, 8))
+
+
+class DecodeGraphs:
+    """One static buffer (and, on CUDA, one captured graph) per decode bucket."""
+
+    def __init__(
+        self,
+        forward: Forward,
+        kv_cache: torch.Tensor,
+        device_tables: torch.Tensor,
+        max_num_seqs: int,
+    ) -> None:
+        self.buckets = decode_buckets(max_num_seqs)
+        self._forward = forward
+        self._kv_cache = kv_cache
+        self._tables = device_tables
+        device = kv_cache.device
+        self._static = {
+            size: torch.tensor(PADDING_ROW * size, dtype=torch.int64, device=device)
+            .view(size, FIELDS)
+            .T.contiguous()
+            for size in self.buckets
+        }
+        self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    def fits(self, step: StepInputs) -> bool:
+        return step.is_decode and step.num_seqs <= self.buckets[-1]
+
+    def bucket(self, num_seqs: int) -> int:
+        return next(size for size in self.buckets if size >= num_seqs)
+
+    def host_inputs(self, step: StepInputs) -> np.ndarray:
+        """The step's rows, padded to its bucket, laid out as the bucket's static buffer."""
+        size = self.bucket(step.num_seqs)
+        fields = np.tile(np.asarray(PADDING_ROW, dtype=np.int64)[:, None], (1, size))
+        columns = (step.input_ids, step.positions, step.slots, step.context_lens, step.rows)
+        for field, column in enumerate(columns):
+            fields[field, : step.num_seqs] = column
+        return fields.reshape(-1)
+
+    def run(self, step: StepInputs, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, vocab]` of a step that `fits`; `inputs` is `host_inputs` on the device."""
+        size = self.bucket(step.num_seqs)
+        self._static[size].view(-1).copy_(inputs)
+        if size in self._graphs:
+            self._graphs[size].replay()
+            logits = self._outputs[size]
+        else:
+            logits = self._static_forward(size)
+        return logits[: step.num_seqs]
+
+    def capture(self) -> None:
+        """Capture every bucket's forward, largest first, into one memory pool (CUDA)."""
+        pool = torch.cuda.graph_pool_handle()
+        for size in reversed(self.buckets):
+            self._static_forward(size)  # warm-up: compiles the Triton kernels for the shapes
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._outputs[size] = self._static_forward(size)
+            self._graphs[size] = graph
+        torch.cuda.synchronize()
+
+    def _static_forward(self, size: int) -> torch.Tensor:
+        input_ids, positions, slots, context_lens, rows = self._static[size]
+        device = self._kv_cache.device
+        every_row = torch.arange(size + 1, dtype=torch.int64, device=device)
+        metadata = PagedAttentionMetadata(
+            kv_cache=self._kv_cache,
+            slot_mapping=slots,
+            block_tables=self._tables.index_select(0, rows),
+            query_start=every_row,
+            context_lens=context_lens,
+            query_start_host=None,
+            context_lens_host=None,
+            positions_host=None,
+            max_query_len=1,
+        )
+        return self._forward(input_ids[None], positions[None], every_row[:size], metadata)

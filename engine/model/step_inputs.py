@@ -1,0 +1,117 @@
+"""A step's model inputs: packed on the host, moved to the device in one copy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from cache import cdiv
+from engine.model.block_tables import BlockTables
+from scheduler import ScheduledSequence
+
+
+@dataclass(slots=True)
+class StepInputs:
+    """The int64 host arrays of one step, sequence by sequence in the scheduler's order.
+
+    Invariants: sequence b owns packed tokens `[query_start[b], query_start[b + 1])`, the
+    last of its `context_lens[b]` tokens; `positions[i]` and `slots[i]` are token i's
+    position and KV slot; `rows[b]` is b's row in the block tables, whose first `width`
+    columns cover every context; `logits_index` lists the packed index of the last token of
+    each chunk that samples, in batch order.
+    """
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    rows: np.ndarray
+    query_start: np.ndarray
+    context_lens: np.ndarray
+    logits_index: np.ndarray
+    width: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.rows)
+
+    @property
+    def is_decode(self) -> bool:
+        """One token per sequence, every one sampled."""
+        return len(self.input_ids) == len(self.rows) == len(self.logits_index)
+
+    @property
+    def max_query_len(self) -> int:
+        return int(np.diff(self.query_start).max()) if len(self.rows) else 0
+
+
+def build_step_inputs(
+    scheduled: Sequence[ScheduledSequence], tables: BlockTables, block_size: int
+) -> StepInputs:
+    """Pack the scheduled chunks; `tables` must already hold this step's blocks."""
+    input_ids: list[int] = []
+    rows, counts, starts, samples = [], [], [], []
+    for item in scheduled:
+        input_ids += item.token_ids
+        rows.append(tables.row(item.seq.seq_id))
+        counts.append(item.num_new_tokens)
+        starts.append(item.num_computed_tokens)
+        samples.append(item.samples)
+    row = np.asarray(rows, dtype=np.int64)
+    count = np.asarray(counts, dtype=np.int64)
+    start = np.asarray(starts, dtype=np.int64)
+    query_start = np.concatenate(([0], np.cumsum(count)))
+    first = query_start[:-1]  # each chunk's first index in the packed batch
+    if len(input_ids) == len(scheduled):  # a pure decode step: one token per sequence
+        positions = start
+        token_rows = row
+    else:
+        positions = np.arange(len(input_ids)) + np.repeat(start - first, count)
+        token_rows = np.repeat(row, count)
+    slots = tables.table[token_rows, positions // block_size] * block_size
+    slots += positions % block_size
+    context_lens = start + count
+    return StepInputs(
+        input_ids=np.asarray(input_ids, dtype=np.int64),
+        positions=positions,
+        slots=slots,
+        rows=row,
+        query_start=query_start,
+        context_lens=context_lens,
+        logits_index=(first + count - 1)[np.asarray(samples, dtype=bool)],
+        width=cdiv(int(context_lens.max()), block_size),
+    )
+
+
+class Staging:
+    """Moves int64 host arrays to the device in one copy, through one pinned buffer.
+
+    On the CPU the arrays are only concatenated. On CUDA the pinned buffer is reused: an
+    upload first waits for the previous upload's copy to finish, so an asynchronous copy
+    never reads a buffer being refilled.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host = torch.zeros(0, dtype=torch.int64)
+        self._copied: torch.cuda.Event | None = None
+
+    def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
+        """One device tensor per array (views of one flat tensor), in the arrays' order."""
+        sizes = [array.size for array in arrays]
+        total = sum(sizes)
+        if self.device.type == "cpu":
+            flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+            return list(flat.split(sizes))
+        if self._copied is not None:
+            self._copied.synchronize()
+        if self._host.numel() < total:
+            self._host = torch.zeros(max(total, 2 * self._host.numel()), dtype=torch.int64)
+            self._host = self._host.pin_memory()
+        np.concatenate(arrays, out=self._host[:total].numpy(), casting="same_kind")
+        flat = self._host[:total].to(self.device, non_blocking=True)
+        self._copied = torch.cuda.Event()
+        self._copied.record()
+        return list(flat.split(sizes))
