@@ -37,3 +37,12 @@ def positive_ints(text: str) -> list[int]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected positive integers like 1,8,32, got {text!r}")
     return values
+
+
+def engine_setting(text: str) -> tuple[str, str]:
+    """An argparse type: one engine setting as KEY=VALUE, such as "enforce_eager=false";
+    the engine's config validates the key and converts the value."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), value.strip()

@@ -48,7 +48,7 @@ from transformers import (
 )
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-from bench.tables import format_table
+from bench.tables import engine_setting, format_table
 from bench.workloads import Workload, ordinary_token_ids, random_workload, shared_prefix_workload
 from cache import bytes_per_block
 from engine import LLM, SamplingParams
@@ -333,6 +333,7 @@ def build_config(args: argparse.Namespace) -> EngineConfig:
             "device": device.type,
             "kv_cache_memory": args.kv_cache_memory,
             "max_num_seqs": args.max_num_seqs,
+            **dict(args.set),
         },
         environ={},
     )
@@ -559,6 +560,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads for every engine (default: torch's)"
     )
+    parser.add_argument(
+        "--set", type=engine_setting, action="append", default=[], metavar="KEY=VALUE",
+        help="a pagedserve engine setting, repeatable: e.g. --set attention_backend=triton "
+        "--set enforce_eager=false --set max_num_batched_tokens=4096",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     args = parser.parse_args(argv)
     for key, value in {**FALLBACKS, **DEFAULTS[args.workload]}.items():

@@ -17,6 +17,7 @@ from bench.workloads import (
     random_workload,
     shared_prefix_workload,
 )
+from engine.config import ConfigError
 from engine.model.attention import (
     ATTN_IMPLEMENTATION,
     ATTN_IMPLEMENTATION_CPP,
@@ -86,6 +87,16 @@ def test_presets_fill_only_the_flags_left_unset(argv: list[str], expected: tuple
 def test_output_length_flags_that_cannot_hold_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         throughput.parse_args(argv)
+
+
+def test_engine_settings_pass_through_and_are_validated() -> None:
+    argv = ["--set", "attention_backend=triton", "--set", "enforce_eager=false"]
+    config = throughput.build_config(throughput.parse_args(argv))
+    assert config.attention_backend == "triton" and config.enforce_eager is False
+    with pytest.raises(ConfigError, match="no_such_setting"):
+        throughput.build_config(throughput.parse_args(["--set", "no_such_setting=1"]))
+    with pytest.raises(SystemExit):
+        throughput.parse_args(["--set", "enforce_eager"])
 
 
 def test_row_lengths_stop_each_row_at_its_own_length():

@@ -30,6 +30,30 @@ def test_rows_follow_new_blocks_and_freed_sequences() -> None:
     assert int(np.count_nonzero(tables.table)) == 1
 
 
+def test_a_mirror_that_follows_the_drained_changes_matches_every_step() -> None:
+    tables = BlockTables(max_num_seqs=3, max_blocks_per_seq=6, track_changes=True)
+    mirror = np.full_like(tables.table, -1)  # what a device copy would hold
+    steps = [
+        SchedulerOutput([_item("a", [5, 6]), _item("b", [7])]),
+        SchedulerOutput([_item("a", [1]), _item("b", [])]),
+        # b is freed and c takes its row in the same step; then a grows again.
+        SchedulerOutput([_item("c", [8, 9, 10]), _item("a", [2])], freed=["b"]),
+        SchedulerOutput([_item("c", [11])], freed=["a"]),
+        SchedulerOutput([_item("d", [3])]),
+    ]
+    for batch in steps:
+        tables.update(batch)
+        flat, ids = tables.drain_changes()
+        mirror.reshape(-1)[flat] = ids
+        for seq_id in (item.seq.seq_id for item in batch.scheduled):
+            row, length = tables.row(seq_id), tables.lengths[tables.row(seq_id)]
+            assert mirror[row, :length].tolist() == tables.blocks(seq_id)
+    assert tables.drain_changes()[0].size == 0
+    untracked = BlockTables(max_num_seqs=1, max_blocks_per_seq=2)
+    untracked.update(SchedulerOutput([_item("a", [4])]))
+    assert untracked.drain_changes()[0].size == 0
+
+
 def test_engine_tables_match_the_block_manager_every_step(tiny_model_paths: dict[str, Path]):
     # 40 blocks of 4 tokens: the requests below run out of blocks and preempt each other.
     llm = LLM(
