@@ -23,7 +23,8 @@ class ModelRunner:
     Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
     call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
     On a GPU a copy of them stays on the device and follows by changed entries only, and
-    a step's inputs and those entries reach the device in one copy (see `Staging`).
+    a step's inputs and those entries reach the device in one copy (see `Staging`);
+    `mirror_block_tables=True` keeps such a copy on the CPU too (to test it there).
 
     With `decode_graphs`, decode steps run through `DecodeGraphs` (call `capture_graphs`
     on CUDA before the first step); the attention must then read device tensors only.
@@ -37,17 +38,20 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         decode_graphs: bool = False,
+        mirror_block_tables: bool | None = None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.block_size = block_size
         self.device = kv_cache.device
-        on_cpu = self.device.type == "cpu"
+        # A separate copy of the block tables that follows by changed entries: always off
+        # the CPU; on the CPU the host table itself serves, unless a test asks for a copy.
+        mirror = self.device.type != "cpu" if mirror_block_tables is None else mirror_block_tables
         self.block_tables = BlockTables(
-            max_num_seqs, cdiv(max_model_len, block_size), track_changes=not on_cpu
+            max_num_seqs, cdiv(max_model_len, block_size), track_changes=mirror
         )
-        table = torch.from_numpy(self.block_tables.table)  # on the CPU: the same memory
-        self._device_tables = table if on_cpu else table.to(self.device)
+        table = torch.from_numpy(self.block_tables.table)  # the host table's own memory
+        self._device_tables = table.clone().to(self.device) if mirror else table
         self._staging = Staging(self.device)
         self.graphs = (
             DecodeGraphs(self._forward, kv_cache, self._device_tables, max_num_seqs)

@@ -9,8 +9,14 @@ import numpy as np
 
 from engine import LLM, SamplingParams
 from engine.model.block_tables import BlockTables
+from engine.model.runner import ModelRunner
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
-from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES
+from tests.engine.test_greedy_equivalence import (  # references: a fixture used here
+    MAX_TOKENS,
+    TINY_BLOCK_BYTES,
+    engine_greedy,
+    references,  # noqa: F401
+)
 
 
 def _item(seq_id: str, new_blocks: list[int]) -> ScheduledSequence:
@@ -81,3 +87,25 @@ def test_engine_tables_match_the_block_manager_every_step(tiny_model_paths: dict
     assert engine.stats().num_preemptions > 0
     engine.step()  # an empty step still delivers the last frees
     assert not tables._rows and int(np.count_nonzero(tables.table)) == 0
+
+
+def test_an_engine_on_a_mirror_of_the_block_tables_matches_generate(
+    tiny_model_paths,
+    references,  # noqa: F811
+):
+    """The runner path of a GPU, whose block tables follow the host's by changed entries,
+    run on the CPU: the same greedy tokens as `generate()`, through preemption."""
+    llm = LLM(
+        str(tiny_model_paths["llama"]), dtype="float32", block_size=4, max_model_len=264,
+        kv_cache_memory=70 * TINY_BLOCK_BYTES,
+    )  # fmt: skip
+    engine = llm.engine
+    runner = engine.runner
+    engine.runner = ModelRunner(
+        runner.model, runner.kv_cache, 4, engine.config.max_num_seqs, engine.max_model_len,
+        mirror_block_tables=True,
+    )  # fmt: skip
+    assert engine.runner._device_tables.data_ptr() != engine.runner.block_tables.table.ctypes.data
+    (prompts, expected), _ = references["llama"]
+    assert engine_greedy(llm, prompts, MAX_TOKENS) == expected
+    assert engine.stats().num_preemptions > 0
