@@ -22,7 +22,12 @@ from transformers import AttentionInterface, PreTrainedModel
 from engine.config import ConfigError
 from engine.errors import UnsupportedModelError
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.kernels.paged_attention import AttentionKernel, load_attention_kernel, supports
+from engine.model.kernels.paged_attention import (
+    AttentionKernel,
+    load_attention_kernel,
+    supports,
+    unavailable_reason,
+)
 from engine.model.torch_attention import blockwise_attention, gathered_attention
 
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -136,7 +141,9 @@ def register_paged_attention(
         raise ConfigError(f"attention_backend 'cpp' runs on the CPU, not on {device}")
     kernel = load_attention_kernel() if backend != "torch" and on_cpu else None
     if backend == "cpp" and kernel is None:
-        raise ConfigError("attention_backend 'cpp': the C++ kernel did not build (see log)")
+        raise ConfigError(
+            f"attention_backend 'cpp': the C++ kernel cannot be built here: {unavailable_reason()}"
+        )
     if kernel is None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
         return ATTN_IMPLEMENTATION

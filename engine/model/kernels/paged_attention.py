@@ -76,6 +76,16 @@ def load_attention_kernel() -> AttentionKernel | None:
         return None
 
 
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot be built or loaded here, or None if it can (tries the build
+    if no call has yet): for messages that say why attention stays on torch."""
+    try:
+        _extension()
+    except KernelUnavailableError as exc:
+        return str(exc)
+    return None
+
+
 def supports(dtype: torch.dtype, head_dim: int, device: torch.device) -> bool:
     """Whether the kernel computes attention for tensors of this kind."""
     return device.type == "cpu" and dtype in SUPPORTED_DTYPES and head_dim in SUPPORTED_HEAD_DIMS

@@ -1,0 +1,89 @@
+"""The C++ kernel's source is C++17, which torch 2.11's extension builder compiles with (torch
+2.13 uses C++20), and where no kernel can be built the engine keeps torch attention."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from torch.utils import cpp_extension
+
+from engine.model.attention import ATTN_IMPLEMENTATION
+from engine.model.kernels.paged_attention import CFLAGS, EXTENSION_NAME, SOURCE
+
+
+def check_as_cxx17(source: Path) -> subprocess.CompletedProcess[str]:
+    """Compile `source` as torch's builder does, but under C++17, without code generation.
+
+    torch's and Python's headers come in with -isystem, as the builder passes them, so
+    -pedantic-errors (which turns C++20 extensions that GCC accepts under C++17 with only a
+    warning into errors) judges our code alone: torch 2.13's headers compile as C++17, with
+    such warnings and pedantic errors that -isystem silences."""
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        pytest.skip(f"no C++ compiler '{compiler}' on PATH (set CXX)")
+    headers = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
+    command = [
+        compiler, "-std=c++17", "-pedantic-errors", "-fsyntax-only", "-fPIC", *CFLAGS,
+        f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        *[flag for header in headers for flag in ("-isystem", header)], str(source),
+    ]  # fmt: skip
+    return subprocess.run(command, capture_output=True, text=True, timeout=300)
+
+
+def test_the_kernel_source_compiles_as_cxx17() -> None:
+    result = check_as_cxx17(SOURCE)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize(
+    "cxx20",
+    [
+        "#include <bit>\nstatic_assert(std::endian::native == std::endian::little);",
+        "#include <bit>\nint bits(float x) { return std::bit_cast<int>(x); }",
+        "struct Flags { bool on : 1 = false; };",  # a C++20 extension GCC only warns about
+    ],
+    ids=["std-endian", "std-bit-cast", "bit-field-initializer"],
+)
+def test_the_check_rejects_cxx20(cxx20: str, tmp_path: Path) -> None:
+    """What would fail torch 2.11's build (the first two) fails this check too."""
+    source = tmp_path / "cxx20.cpp"
+    source.write_text(cxx20 + "\n")
+    assert check_as_cxx17(source).returncode != 0
+
+
+FALLBACK = """
+import logging, torch
+from engine.config import ConfigError
+from engine.model.attention import register_paged_attention
+from engine.model.kernels.paged_attention import load_attention_kernel
+logging.basicConfig(format="%(levelname)s %(message)s")
+assert [load_attention_kernel() for _ in range(3)] == [None] * 3
+cpu = torch.device("cpu")
+print(register_paged_attention("auto", cpu))
+try:
+    register_paged_attention("cpp", cpu)
+except ConfigError as exc:
+    print(exc)
+"""
+
+
+def test_without_a_compiler_attention_stays_on_torch_with_one_warning(tmp_path: Path) -> None:
+    # A fresh cache holds no prebuilt library, so the loader needs the (missing) compiler.
+    env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": "no-such-compiler-pagedserve"}
+    result = subprocess.run(
+        [sys.executable, "-c", FALLBACK], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    auto, cpp_error = result.stdout.splitlines()
+    assert auto == ATTN_IMPLEMENTATION
+    assert cpp_error.startswith("attention_backend 'cpp'")
+    assert "no C++ compiler 'no-such-compiler-pagedserve'" in cpp_error
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, result.stderr
+    assert "no C++ compiler 'no-such-compiler-pagedserve'" in warnings[0]
