@@ -22,7 +22,7 @@ import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
@@ -105,9 +105,13 @@ class AsyncLLM:
         self.block_size = engine.block_size
         self.dtype = engine.dtype
         self.device = engine.device
+        self.chat_template: str | None = engine.tokenizer.chat_template
         # The engine thread decodes with the engine's tokenizer; the intake gets its own.
         self._processor = RequestProcessor(
-            copy.deepcopy(engine.tokenizer), engine.vocab_size, engine.max_model_len
+            copy.deepcopy(engine.tokenizer),
+            engine.vocab_size,
+            engine.max_model_len,
+            engine.grammars,
         )
         self._intake = ThreadPoolExecutor(
             1, thread_name_prefix="pagedserve-intake", initializer=_yield_the_cpu
@@ -129,13 +133,35 @@ class AsyncLLM:
         """Tokenize and validate a prompt on the intake thread; ValueError if invalid."""
         return await self._on_intake(self._processor.from_prompt, prompt, params)
 
-    async def process_chat(self, messages: list[Message], params: SamplingParams) -> EngineRequest:
-        """Render a conversation and validate it on the intake thread; ValueError (a
-        `ChatTemplateError` when the template refuses it) if invalid."""
-        return await self._on_intake(self._processor.from_chat, messages, params)
+    async def process_chat(
+        self,
+        messages: list[Message],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> EngineRequest:
+        """Render a conversation (with `tools` for the chat template) and validate it on the
+        intake thread; ValueError (a `ChatTemplateError` when the template refuses it)."""
+        return await self._on_intake(self._processor.from_chat, messages, params, tools)
 
     async def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`; ValueError naming `tokens` for an id out of vocabulary."""
         return await self._on_intake(self._processor.decode, token_ids)
+
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text` as a text prompt gets them (unchecked against limits)."""
+        return await self._on_intake(self._processor.encode, text, add_special_tokens)
+
+    async def render_chat(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> list[int]:
+        """The token ids of a conversation as chat requests render it (unchecked against
+        limits); ChatTemplateError when the template refuses it."""
+        return await self._on_intake(self._processor.render_chat, messages, add_generation_prompt)
+
+    async def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it; ValueError naming `tokens` for an
+        id out of vocabulary."""
+        return await self._on_intake(self._processor.token_strs, token_ids)
 
     async def generate(
         self, request: EngineRequest, request_id: str

@@ -20,6 +20,7 @@ from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
+from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
 from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
@@ -115,7 +116,10 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
         )
         self.sampler = Sampler(config.seed, self.device)
-        self.processor = RequestProcessor(self.tokenizer, self.vocab_size, self.max_model_len)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.processor = RequestProcessor(
+            self.tokenizer, self.vocab_size, self.max_model_len, self.grammars
+        )
         self._token_texts = TokenTexts(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}
@@ -185,7 +189,7 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         state = RequestState.create(
             request_id, request, self.eos_token_ids, self.tokenizer, self._token_texts,
-            self.device,
+            self.device, self.grammars,
         )  # fmt: skip
         self._requests[request_id] = state
         self._prompt_tokens_total += len(request.prompt_token_ids) * request.params.n

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, info
+from server import chat, completions, info, tokenization
 from server.config import ServeConfig
 from server.errors import install_error_handlers
 from server.request_id import RequestIdMiddleware
@@ -59,6 +59,7 @@ def build_app(
     app.include_router(info.api_router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(tokenization.router)
     return app
 
 

@@ -7,6 +7,7 @@ the model sees exactly the format it was trained on.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
 from server.auth import require_api_key
+from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.disconnect import cancel_on_disconnect
 from server.errors import engine_failure, error_body, invalid_request, user_errors
 from server.errors import request_id as http_request_id
@@ -29,18 +31,20 @@ from server.protocol import (
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
-    ChatMessage,
     ChatResponseMessage,
     ChatStreamChoice,
+    DeltaToolCall,
+    ResponseToolCall,
     Usage,
 )
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
+from server.tools import ToolCallStream
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput, TokenLogprobs
-    from engine.request.intake import EngineRequest, Message
+    from engine.request.intake import EngineRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 _FIELDS = set(ChatCompletionRequest.model_fields)
@@ -58,25 +62,29 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         body.max_tokens if body.max_completion_tokens is None else body.max_completion_tokens
     )
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    with user_errors(_FIELDS, aliases={"logprobs": "top_logprobs"}):
+    aliases = {"logprobs": "top_logprobs", **body.error_aliases()}
+    if body.max_completion_tokens is not None:
+        aliases["max_tokens"] = "max_completion_tokens"
+    syntax, tools = state.tool_syntax(), ChatTools.of(body)
+    forced_call = tools.structured_outputs(syntax) if tools is not None else None
+    if forced_call is not None:
+        aliases["structured_outputs"] = "tools"  # the grammar of a forced call
+    with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        if forced_call is not None:
+            params = dataclasses.replace(params, structured_outputs=forced_call)
+        messages = conversation(body.messages, syntax, tools)
         try:
-            prompt = await llm.process_chat(conversation(body.messages), params)
+            prompt = await llm.process_chat(
+                messages, params, tools.for_template(syntax) if tools is not None else None
+            )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc
-    chat = _Chat(state, llm, body, prompt)
+    chat = _Chat(state, llm, body, prompt, syntax, tools)
     if body.stream:
         return SSEResponse(chat.events(http_request_id(request)))
     final = await cancel_on_disconnect(request, chat.run())
     return Response(chat.response(final).model_dump_json(), media_type="application/json")
-
-
-def conversation(messages: list[ChatMessage]) -> list[Message]:
-    """The messages as a chat template reads them."""
-    return [
-        {"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})}
-        for m in messages
-    ]
 
 
 @dataclass(slots=True)
@@ -87,6 +95,8 @@ class _Chat:
     llm: AsyncLLM
     body: ChatCompletionRequest
     prompt: EngineRequest
+    syntax: ToolSyntax
+    tools: ChatTools | None
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -95,16 +105,22 @@ class _Chat:
         return finals[0]
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
-        choices = [
-            ChatChoice(
-                index=completion.index,
-                message=ChatResponseMessage(content=completion.text),
-                logprobs=self._logprobs(completion.logprobs),
-                finish_reason=completion.finish_reason,
-                stop_reason=completion.stop_reason,
+        choices = []
+        for completion in final.outputs:
+            content: str | None = completion.text
+            calls: list[ResponseToolCall] = []
+            if self.tools is not None:
+                content, calls = self.tools.response_calls(completion.text, self.syntax)
+            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+            choices.append(
+                ChatChoice(
+                    index=completion.index,
+                    message=message,
+                    logprobs=self._logprobs(completion.logprobs),
+                    finish_reason=_finish_reason(completion.finish_reason, calls),
+                    stop_reason=completion.stop_reason,
+                )
             )
-            for completion in final.outputs
-        ]
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -121,6 +137,7 @@ class _Chat:
             yield sse(self._chunk(ChatStreamChoice(index=index, delta=delta)))
         whole: RequestOutput | None = None
         finished: set[int] = set()
+        streams = self._tool_streams()
         try:
             async for _, output, latest in generate(
                 self.state, self.llm, [self.prompt], self.request_id
@@ -129,22 +146,33 @@ class _Chat:
                 for completion in output.outputs:
                     if completion.index in finished:
                         continue
+                    stream = streams.get(completion.index)
+                    text = completion.text if stream is None else stream.feed(completion.text)
                     logprobs = self._logprobs(completion.logprobs)
-                    if completion.text or (logprobs and logprobs.content):
-                        delta = ChatDelta(content=completion.text)
+                    if text or (logprobs and logprobs.content):
+                        delta = ChatDelta(content=text)
                         choice = ChatStreamChoice(
                             index=completion.index, delta=delta, logprobs=logprobs
                         )
                         yield sse(self._chunk(choice))
-                    if completion.finish_reason is not None:
-                        finished.add(completion.index)
-                        choice = ChatStreamChoice(
-                            index=completion.index,
-                            delta=ChatDelta(),
-                            finish_reason=completion.finish_reason,
-                            stop_reason=completion.stop_reason,
-                        )
-                        yield sse(self._chunk(choice))
+                    if completion.finish_reason is None:
+                        continue
+                    finished.add(completion.index)
+                    calls: list[ResponseToolCall] = []
+                    if stream is not None:
+                        rest, parsed = stream.finish()
+                        calls = self.tools.as_response(parsed) if self.tools and parsed else []
+                        if rest:
+                            yield sse(self._chunk(self._delta(completion.index, content=rest)))
+                        if calls:
+                            yield sse(self._chunk(self._tool_call_delta(completion.index, calls)))
+                    choice = ChatStreamChoice(
+                        index=completion.index,
+                        delta=ChatDelta(),
+                        finish_reason=_finish_reason(completion.finish_reason, calls),
+                        stop_reason=completion.stop_reason,
+                    )
+                    yield sse(self._chunk(choice))
         except EngineError as exc:
             yield sse(error_body(engine_failure(http_id, exc)))
             yield DONE
@@ -153,6 +181,28 @@ class _Chat:
             assert whole is not None, "the engine's last output is always a finished one"
             yield sse(self._chunk(None, count_usage([whole])))
         yield DONE
+
+    def _tool_streams(self) -> dict[int, ToolCallStream]:
+        """Per choice, the splitter of its text into content and calls (if tools are on)."""
+        if self.tools is None:
+            return {}
+        forced = self.tools.forced is not None
+        return {
+            index: ToolCallStream(self.syntax.format, forced)
+            for index in range(self.prompt.params.n)
+        }
+
+    @staticmethod
+    def _delta(index: int, content: str) -> ChatStreamChoice:
+        return ChatStreamChoice(index=index, delta=ChatDelta(content=content))
+
+    @staticmethod
+    def _tool_call_delta(index: int, calls: list[ResponseToolCall]) -> ChatStreamChoice:
+        deltas = [
+            DeltaToolCall(index=i, id=call.id, function=call.function)
+            for i, call in enumerate(calls)
+        ]
+        return ChatStreamChoice(index=index, delta=ChatDelta(tool_calls=deltas))
 
     def _logprobs(self, entries: Sequence[TokenLogprobs] | None) -> ChatLogprobs | None:
         if self.prompt.params.logprobs is None:
@@ -169,3 +219,8 @@ class _Chat:
             choices=[] if choice is None else [choice],
             usage=usage,
         )
+
+
+def _finish_reason(reason: str | None, calls: list[ResponseToolCall]) -> str | None:
+    """OpenAI's "tool_calls" for a reply that ended by itself in calls."""
+    return "tool_calls" if calls and reason == "stop" else reason

@@ -42,7 +42,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state.check_model(body.model)
     if body.echo and body.logprobs is not None:
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
-    with user_errors(_FIELDS):
+    with user_errors(_FIELDS, aliases=body.error_aliases()):
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs)
         prompts = [await llm.process(prompt, params) for prompt in body.prompt]
     if body.echo:

@@ -38,6 +38,8 @@ class ServeConfig(EngineConfig):
         None, min_length=1, description="the name clients use; default: the model's name"
     )
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    # How the model writes tool calls (server/tools.py); auto reads the chat template.
+    tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
 
     @field_validator("api_key", mode="before")
     @classmethod

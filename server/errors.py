@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
+from server.protocol import FIELD_ERROR, undeclared_field_reason
 
 logger = logging.getLogger(__name__)
 
@@ -64,14 +65,17 @@ def user_errors(fields: set[str], aliases: dict[str, str] | None = None) -> Iter
 
     Both raise messages that start with the parameter's name; it becomes `param` when it
     is one of the request's `fields`, after renaming by `aliases` (SamplingParams' name ->
-    the request's name for the same setting).
+    the request's name for the same setting), which renames it in the message too.
     """
     try:
         yield
     except ValueError as exc:
         message = str(exc)
         name = message.split(" ", 1)[0].rstrip(":,")
-        name = (aliases or {}).get(name, name)
+        alias = (aliases or {}).get(name)
+        if alias is not None:
+            message = alias + message.removeprefix(name)
+            name = alias
         raise invalid_request(message, name if name in fields else None) from exc
 
 
@@ -115,7 +119,8 @@ def describe_validation_error(exc: RequestValidationError) -> OpenAIError:
     """A 400 naming an invalid field (`messages[0].content`), or the body itself.
 
     Of several errors the deepest is the most telling: for a union-typed field it comes
-    from the member the value came closest to matching.
+    from the member the value came closest to matching. A model validator's `field_error`
+    names the field it is about; an undeclared field says why it is refused.
     """
     error = max(exc.errors(), key=lambda candidate: len(candidate["loc"]))
     location = [part for part in error["loc"] if part not in _UNION_TAGS and "[" not in str(part)]
@@ -124,11 +129,18 @@ def describe_validation_error(exc: RequestValidationError) -> OpenAIError:
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", "")
         return invalid_request(f"the request body is not valid JSON: {reason}")
+    message = error["msg"].removeprefix("Value error, ")
+    if error["type"] == FIELD_ERROR:
+        # A model validator's error about one of its fields, or about the whole body.
+        location += error["ctx"]["field"]
+        if not location:
+            return invalid_request(f"the request body {message}")
+    elif error["type"] == "extra_forbidden":
+        message = undeclared_field_reason(str(location[-1]))
     if not location or isinstance(location[0], int):
         # FastAPI hands a non-JSON body (or a JSON array) to the model as the body itself.
         return invalid_request("the request body must be a JSON object")
     param = _format_location(location)
-    message = error["msg"].removeprefix("Value error, ")
     return invalid_request(f"{param}: {message}", param)
 
 

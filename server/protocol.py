@@ -1,19 +1,30 @@
 """The OpenAI wire format: request bodies (validated) and response bodies (constructed).
 
 Request models are strict (`"n": true` or `"max_tokens": "5"` is a 400, not a guess) and
-ignore unknown fields, as OpenAI-compatible servers do, so clients that send newer
-parameters keep working. `None` in a sampling field means "the default". Ranges are
-checked once, by `SamplingParams`, not here.
+closed: no field is silently dropped. A field a model declares is honoured; any other is
+a 400 naming it, except the `NO_OP_FIELDS`, which cannot change the output and are
+accepted and ignored. `UNSUPPORTED_FIELDS` says why a known field is refused; one sent as
+null asks for nothing and is accepted. `None` in a sampling field means "the default".
+Ranges are checked once, by `SamplingParams`, not here.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PlainValidator, model_serializer
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    model_serializer,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import SamplingParams, StructuredOutputs
 
 # Request fields that carry over to SamplingParams under the same name.
 _SAMPLING_FIELDS = (
@@ -33,15 +44,168 @@ _SAMPLING_FIELDS = (
 )
 
 
+# Accepted and ignored, in any request model: they cannot change what the server returns.
+NO_OP_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags for completions the provider stores",
+    "store": "asks the provider to store the completion",
+    "service_tier": "the provider's processing tier",
+    "prompt_cache_key": "a hint for the provider's prompt cache (prefix caching is automatic)",
+    "include_obfuscation": "stream_options: pads stream events against side channels",
+}
+
+# Fields OpenAI or vLLM define that would change the output and that this server does not
+# implement: a 400 "not supported" with the reason, wherever they appear undeclared.
+UNSUPPORTED_FIELDS: dict[str, str] = {
+    "suffix": "insertion (text after the completion) is not implemented",
+    "best_of": "ranking several samples to return the best is not implemented; use n",
+    "prompt_logprobs": "logprobs of prompt tokens are not computed",
+    "echo": "echoing the last chat message is not implemented",
+    "use_beam_search": "beam search is not implemented",
+    "length_penalty": "beam search is not implemented",
+    "modalities": "this server returns text only",
+    "audio": "this server takes and returns text only",
+    "prediction": "predicted outputs are not implemented",
+    "reasoning_effort": "reasoning controls are not implemented",
+    "verbosity": "verbosity controls are not implemented",
+    "web_search_options": "web search is not implemented",
+    "functions": "the deprecated function-calling fields are not implemented",
+    "function_call": "the deprecated function-calling fields are not implemented",
+    "allowed_token_ids": "token allow-lists are not implemented (logit_bias can ban tokens)",
+    "bad_words": "bad-word lists are not implemented (logit_bias can ban tokens)",
+    "logits_processors": "custom logits processors are not implemented",
+    "truncate_prompt_tokens": "prompt truncation is not implemented; a long prompt is a 400",
+    "add_special_tokens": "prompts are always tokenized the one way, as /tokenize shows",
+    "chat_template": "the model's own chat template is always used",
+    "chat_template_kwargs": "the model's own chat template is always used as it is",
+    "add_generation_prompt": "the assistant's turn is always opened",
+    "continue_final_message": "the assistant's turn is always opened",
+    "skip_special_tokens": "detokenization settings are not exposed",
+    "spaces_between_special_tokens": "detokenization settings are not exposed",
+    "include_stop_str_in_output": "detokenization settings are not exposed",
+    "return_tokens_as_token_ids": "logprobs always name tokens by their text",
+    "continuous_usage_stats": "usage is reported once, in the last chunk",
+}
+
+# The pydantic error type of `field_error`; `server.errors` names its field as `param`.
+FIELD_ERROR = "field_error"
+
+
+def field_error(field: str | tuple[str | int, ...], reason: str) -> PydanticCustomError:
+    """An error about `field` (a path below the model that raises it; () for the model
+    itself) for a model validator to raise; `reason` follows the field's name."""
+    path = (field,) if isinstance(field, str) else field
+    return PydanticCustomError(FIELD_ERROR, "{reason}", {"field": path, "reason": reason})
+
+
+def undeclared_field_reason(name: str) -> str:
+    """Why an undeclared field `name` was refused, for the 400 that names it."""
+    if name in UNSUPPORTED_FIELDS:
+        return f"not supported: {UNSUPPORTED_FIELDS[name]}"
+    return "unrecognized request argument: this server does not know it, so it cannot honour it"
+
+
 class _Request(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    """A request model: strict and closed (see the module docstring). Pydantic refuses
+    undeclared fields (`extra_forbidden`) after `_drop_ignorable` removed those that
+    may be ignored, so a field a model declares is always validated and honoured."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_ignorable(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        declared = {info.alias or name for name, info in cls.model_fields.items()}
+        return {
+            key: value
+            for key, value in data.items()
+            if key in declared
+            or not (key in NO_OP_FIELDS or (key in UNSUPPORTED_FIELDS and value is None))
+        }
+
+
+class _Body(_Request):
+    """A whole request body. Also refuses a lone surrogate (`"\\ud800"`) in any of its
+    strings, keys included: JSON can escape one, but it is not Unicode text, so neither
+    the tokenizer nor a response (an error included) could carry it."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_lone_surrogates(cls, data: Any) -> Any:
+        path = _lone_surrogate_path(data)
+        if path is not None:
+            raise field_error(path, "contains a lone surrogate, which is not valid Unicode")
+        return data
+
+
+def _lone_surrogate_path(data: Any) -> tuple[str | int, ...] | None:
+    """The path to the first string in `data` that UTF-8 cannot encode (for a key: the
+    path to its object), or None if there is none. Iterative: JSON may nest deeply."""
+    pending: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str) and not _is_unicode(value):
+            return path
+        if isinstance(value, dict):
+            if not all(_is_unicode(key) for key in value if isinstance(key, str)):
+                return path
+            pending.extend(((*path, key), item) for key, item in reversed(value.items()))
+        elif isinstance(value, list):
+            pending.extend(((*path, i), item) for i, item in reversed(list(enumerate(value))))
+    return None
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class StreamOptions(_Request):
     include_usage: bool = False
 
 
-class SamplingRequest(_Request):
+class JsonSchemaFormat(_Request):
+    """`response_format.json_schema`: the schema and OpenAI's name for it."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Request):
+    """vLLM's `structured_outputs` object: exactly one constraint (checked by the engine)."""
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+# The request fields that ask for structured outputs; at most one may be given.
+STRUCTURED_OUTPUT_FIELDS = (
+    "response_format",
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+)
+
+
+class SamplingRequest(_Body):
     """The fields completions and chat share; all map onto `SamplingParams`."""
 
     model: str
@@ -54,7 +218,7 @@ class SamplingRequest(_Request):
     frequency_penalty: float | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # accepted for compatibility; not used
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
     # Extensions beyond OpenAI's API, as vLLM offers them.
     top_k: int | None = None
     min_p: float | None = None
@@ -62,6 +226,67 @@ class SamplingRequest(_Request):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    @model_validator(mode="after")
+    def _one_structured_output(self) -> SamplingRequest:
+        given = [name for name in STRUCTURED_OUTPUT_FIELDS if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise field_error(given[1], f"only one of {', '.join(given)} may be given")
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_schema" and fmt.json_schema is None:
+            raise field_error("response_format", "type json_schema needs json_schema")
+        return self
+
+    @property
+    def structured_outputs_field(self) -> str | None:
+        """The request field that asks for structured outputs, if one does."""
+        return next((n for n in STRUCTURED_OUTPUT_FIELDS if getattr(self, n) is not None), None)
+
+    def error_aliases(self) -> dict[str, str]:
+        """Engine setting -> the request field that gave it, where the names differ: errors
+        about structured outputs name the field the client used (see `user_errors`)."""
+        field = self.structured_outputs_field
+        return {"structured_outputs": field} if field not in (None, "structured_outputs") else {}
+
+    def structured_outputs_spec(self) -> StructuredOutputs | None:
+        """The constraint the request asks for, in the engine's terms; None for plain text.
+        Raises ValueError (starting "structured_outputs") when it is not exactly one."""
+        if self.response_format is not None:
+            fmt = self.response_format
+            if fmt.type == "text":
+                return None
+            if fmt.type == "json_object":
+                return StructuredOutputs(json_object=True)
+            assert fmt.json_schema is not None
+            return StructuredOutputs(json=fmt.json_schema.schema_)
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            return StructuredOutputs(
+                json=so.json_, json_object=bool(so.json_object), regex=so.regex,
+                choice=so.choice, grammar=so.grammar,
+            )  # fmt: skip
+        if self.guided_json is not None:
+            return StructuredOutputs(json=self.guided_json)
+        if self.guided_regex is not None:
+            return StructuredOutputs(regex=self.guided_regex)
+        if self.guided_choice is not None:
+            return StructuredOutputs(choice=self.guided_choice)
+        if self.guided_grammar is not None:
+            return StructuredOutputs(grammar=self.guided_grammar)
+        return None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise field_error("stream_options", "only allowed when stream is true")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -72,6 +297,11 @@ class SamplingRequest(_Request):
         Raises ValueError naming the parameter when a value is out of range."""
         given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
         values = {name: value for name, value in given.items() if value is not None}
+        if self.logit_bias is not None:
+            values["logit_bias"] = _token_id_keys(self.logit_bias)
+        structured = self.structured_outputs_spec()
+        if structured is not None:
+            values["structured_outputs"] = structured
         return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
 
 
@@ -80,17 +310,83 @@ class CompletionRequest(SamplingRequest):
     max_tokens: int | None = 16
     echo: bool | None = False
     logprobs: int | None = None
+    best_of: int | None = None  # accepted when null or n: one sample per choice
+
+    @model_validator(mode="after")
+    def _best_of_is_n(self) -> CompletionRequest:
+        n = 1 if self.n is None else self.n
+        if self.best_of is not None and self.best_of < n:
+            raise field_error("best_of", f"must be >= n ({n}), got {self.best_of}")
+        if self.best_of is not None and self.best_of > n:
+            reason = UNSUPPORTED_FIELDS["best_of"]
+            raise field_error("best_of", f"above n ({n}) is not supported: {reason}")
+        return self
+
+
+def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's logit_bias keys (token ids as decimal strings) as ints; ValueError if not."""
+    for key in logit_bias:
+        if not (key.isascii() and key.isdigit()):
+            raise ValueError(f"logit_bias keys must be token ids such as '50256', got {key!r}")
+    return {int(key): bias for key, bias in logit_bias.items()}
 
 
 class TextPart(_Request):
+    """A content part; only text ones are supported (this server serves text models)."""
+
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        kind = data.get("type", "text") if isinstance(data, dict) else "text"
+        if isinstance(kind, str) and kind != "text":
+            raise field_error("type", f"{kind!r} content parts are not supported: text only")
+        return data
+
+
+class FunctionCall(_Request):
+    """A call an assistant made: `arguments` is JSON text, as OpenAI sends it."""
+
+    name: str
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
 
 class ChatMessage(_Request):
+    """Invariants: only an assistant message may come without content; `tool_calls` come
+    only on assistant messages, and each call's arguments are a JSON object; a tool
+    message carries the `tool_call_id` it answers."""
+
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_unless_assistant(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise field_error("content", f"required in a {self.role} message")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise field_error("tool_calls", "only an assistant message makes tool calls")
+        for i, call in enumerate(self.tool_calls or []):
+            try:
+                arguments = json.loads(call.function.arguments)
+            except json.JSONDecodeError:
+                arguments = None
+            if not isinstance(arguments, dict):
+                path = ("tool_calls", i, "function", "arguments")
+                raise field_error(path, "must be a JSON object, as text")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise field_error("tool_call_id", "required in a tool message")
+        return self
 
     def text(self) -> str:
         """The content as one string; text parts are joined by newlines, as vLLM does."""
@@ -101,12 +397,90 @@ class ChatMessage(_Request):
         return "\n".join(part.text for part in self.content)
 
 
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(SamplingRequest):
+    """Invariants: `tool_choice` and `parallel_tool_calls` come only with `tools`; tool
+    names are distinct and a named choice names one of them."""
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise field_error("tools", "function names must be distinct")
+        for field in ("tool_choice", "parallel_tool_calls"):
+            if getattr(self, field) is not None and not self.tools:
+                raise field_error(field, "only allowed when tools are given")
+        choice = self.tool_choice
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise field_error("tool_choice", f"names {choice.function.name!r}, not a tool")
+        structured = self.structured_outputs_field
+        if self.forces_tool_call and structured is not None:
+            raise field_error(structured, "cannot be combined with a tool_choice forcing a call")
+        return self
+
+    @property
+    def forces_tool_call(self) -> bool:
+        """Whether the reply must be tool calls: `required`, or a named function."""
+        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
+
+
+class TokenizeRequest(_Body):
+    """vLLM's POST /tokenize. Invariant: exactly one of `prompt` (tokenized as completions
+    tokenize it, `add_special_tokens` aside) or `messages` (rendered as chat renders them,
+    `add_generation_prompt` aside), and each option only with its own input."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool | None = None
+    return_token_strs: bool | None = False
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise field_error((), "needs exactly one of prompt and messages")
+        if self.prompt is None and self.add_special_tokens is not None:
+            raise field_error("add_special_tokens", "applies to a prompt, not to messages")
+        if self.messages is None and self.add_generation_prompt is not None:
+            raise field_error("add_generation_prompt", "applies to messages, not to a prompt")
+        return self
+
+
+class DetokenizeRequest(_Body):
+    """vLLM's POST /detokenize."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 class _Response(BaseModel):
@@ -164,9 +538,39 @@ class ChatLogprobs(_Response):
     content: list[ChatTokenLogprob]
 
 
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
 class ChatResponseMessage(_Response):
+    """`content` is None only when the message is tool calls alone."""
+
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("tool_calls") is None:
+            data.pop("tool_calls", None)
+        return data
+
+
+class DeltaToolCall(_Response):
+    """A streamed call: sent whole, in one delta, once its text is complete."""
+
+    index: int
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
 
 
 class ChatChoice(_Response):
@@ -189,6 +593,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_none(self, handler: Any) -> dict[str, Any]:
@@ -225,3 +630,14 @@ class ModelCard(_Response):
 class ModelList(_Response):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+class TokenizeResponse(_Response):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None  # only when asked for: left out otherwise
+
+
+class DetokenizeResponse(_Response):
+    prompt: str

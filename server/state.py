@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError
 from server.metrics import ServerMetrics
@@ -42,6 +43,11 @@ class ServerState:
         if not self.llm.is_healthy:
             raise OpenAIError(503, "the engine has stopped", type="service_unavailable")
         return self.llm
+
+    def tool_syntax(self) -> ToolSyntax:
+        """How the served model writes tool calls (the `tool_call_parser` setting)."""
+        assert self.llm is not None
+        return ToolSyntax.of(self.config.tool_call_parser, self.llm.chat_template)
 
     @property
     def model_name(self) -> str:

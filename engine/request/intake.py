@@ -20,6 +20,8 @@ from engine.sampling.params import SamplingParams
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    from engine.sampling.grammar import GrammarCompiler
+
 # One prompt: text, or token ids.
 Prompt = str | list[int]
 # One chat message as the tokenizer's chat template reads it: {"role": ..., "content": ...}.
@@ -35,15 +37,18 @@ class EngineRequest:
     """A prompt and its sampling settings, ready for `LLMEngine.add_request`.
 
     Invariants (a `RequestProcessor` made it): `prompt_token_ids` is not empty and every id
-    is in the model's vocabulary; `max_tokens` is the request's limit on output tokens (its
-    own `max_tokens`, else the room left in the context), and the prompt plus `max_tokens`
-    fit in `max_model_len`. `prompt` is the prompt's text when it came as text.
+    in it and in the params' `logit_bias` is in the model's vocabulary; `max_tokens` is the
+    request's limit on output tokens (its own `max_tokens`, else the room left in the
+    context), and the prompt plus `max_tokens` fit in `max_model_len`. `prompt` is the
+    prompt's text when it came as text. `grammar` is the compiled, validated grammar of the
+    params' `structured_outputs`, if any.
     """
 
     prompt_token_ids: list[int]
     params: SamplingParams
     max_tokens: int
     prompt: str | None = None
+    grammar: str | None = None
 
 
 class RequestProcessor:
@@ -55,11 +60,16 @@ class RequestProcessor:
     """
 
     def __init__(
-        self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_model_len: int
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        max_model_len: int,
+        grammars: GrammarCompiler | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.grammars = grammars
 
     def from_prompt(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Raises ValueError, with the numbers, for a prompt the engine can never serve."""
@@ -67,18 +77,56 @@ class RequestProcessor:
             return self._checked(self.tokenizer.encode(prompt), params, prompt)
         return self._checked(list(prompt), params, None)
 
-    def from_chat(self, messages: list[Message], params: SamplingParams) -> EngineRequest:
+    def from_chat(
+        self,
+        messages: list[Message],
+        params: SamplingParams,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> EngineRequest:
         """The conversation through the tokenizer's chat template, assistant turn opened."""
+        return self._checked(self.render_chat(messages, tools=tools), params, None)
+
+    def render_chat(
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
+        """The token ids of the conversation through the tokenizer's chat template, as chat
+        requests see it (`add_generation_prompt` opens the assistant's turn; `tools`, in
+        OpenAI's shape, go to the template as transformers passes them); unchecked.
+        Raises ChatTemplateError if the template refuses the conversation."""
         try:
             token_ids: list[int] = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
-                messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                messages,
+                tools=tools,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=True,
+                return_dict=False,
             )
         except (TemplateError, ValueError) as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
-        return self._checked(list(token_ids), params, None)
+        return list(token_ids)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids of `text`, as a text prompt gets them by default; unchecked."""
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_strs(self, token_ids: Sequence[int]) -> list[str]:
+        """Each id's token as the vocabulary spells it (`Ġthe`, not ` the`)."""
+        self._check_vocabulary("tokens", token_ids)
+        return [str(token) for token in self.tokenizer.convert_ids_to_tokens(list(token_ids))]
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of `token_ids`; ValueError naming `tokens` for an id outside the
+        vocabulary."""
+        self._check_vocabulary("tokens", token_ids)
         return str(self.tokenizer.decode(list(token_ids)))
+
+    def _check_vocabulary(self, name: str, token_ids: Sequence[int]) -> None:
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name} out of range [0, {self.vocab_size}): {bad[:5]}")
 
     def _checked(
         self, token_ids: list[int], params: SamplingParams, prompt: str | None
@@ -88,6 +136,7 @@ class RequestProcessor:
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
             bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
             raise ValueError(f"prompt token ids out of range [0, {self.vocab_size}): {bad[:5]}")
+        self._check_vocabulary("logit_bias token ids", list(params.logit_bias))
         if len(token_ids) + (params.max_tokens or 1) > self.max_model_len:
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the "
@@ -95,7 +144,12 @@ class RequestProcessor:
                 f"{params.max_tokens}; shorten the prompt or lower max_tokens"
             )
         max_tokens = params.max_tokens or self.max_model_len - len(token_ids)
-        return EngineRequest(token_ids, params, max_tokens, prompt)
+        grammar = None
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise ValueError("structured_outputs: this processor has no grammar compiler")
+            grammar = self.grammars.compile(params.structured_outputs)
+        return EngineRequest(token_ids, params, max_tokens, prompt, grammar)
 
 
 def as_prompt_list(value: object, *, mixed: bool = False) -> list[Prompt]:

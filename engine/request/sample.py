@@ -124,7 +124,9 @@ class SampleState:
 
         An ending token ends it without adding its text (a stop token id becomes the
         `stop_reason`); a stop string ends it with the text cut before the stop (kept with
-        `include_stop_str_in_output`); the `max_tokens`-th output ends it with "length".
+        `include_stop_str_in_output`); a token that completes the sample's grammar (when it
+        has one: its matcher consumes every other token) ends it with "stop"; the
+        `max_tokens`-th output ends it with "length".
         """
         if self.pending_logprobs is not None and logprobs is not None:
             logprobs.token = self.token_texts.text(logprobs.token_id)
@@ -136,11 +138,15 @@ class SampleState:
                 self.stop_reason = token_id
             reason = "stop"
         else:
+            if self.row.matcher is not None:
+                self.row.matcher.consume_token(token_id)
             matched = self.stop.append(self.detokenizer.push([token_id]))
             if matched is not None:
                 self.stop_reason = matched
                 return "stop"
-            if self.seq.num_output_tokens >= self.seq.max_tokens:
+            if self.row.matcher is not None and self.row.matcher.is_stopped():
+                reason = "stop"  # the grammar allows nothing more
+            elif self.seq.num_output_tokens >= self.seq.max_tokens:
                 reason = "length"
         if reason is not None:
             # The detokenizer may hold back an incomplete character; the text ends here.

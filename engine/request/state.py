@@ -11,6 +11,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
 from engine.request.sample import SampleState, StopChecker, ending_token_ids
+from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import SamplingRow, seeded_generator
 from scheduler import Sequence
 
@@ -33,7 +34,10 @@ class RequestState:
         tokenizer: PreTrainedTokenizerBase,
         token_texts: TokenTexts,
         device: torch.device,
+        grammars: GrammarCompiler | None = None,
     ) -> RequestState:
+        """The request's samples, each with its own RNG (if seeded) and grammar matcher
+        (if the request has a grammar: then `grammars` must be the compiler that made it)."""
         state = cls(request_id, request)
         params, prompt_ids = request.params, request.prompt_token_ids
         ending = ending_token_ids(params, eos_token_ids)
@@ -43,7 +47,11 @@ class RequestState:
             generator = (
                 None if params.seed is None else seeded_generator(params.seed, index, device)
             )
-            row = SamplingRow(params, prompt_ids, seq.output_token_ids, generator, ending)
+            matcher = None
+            if request.grammar is not None:
+                assert grammars is not None, "a request with a grammar needs its compiler"
+                matcher = grammars.matcher(request.grammar)
+            row = SamplingRow(params, prompt_ids, seq.output_token_ids, generator, ending, matcher)
             state.samples.append(
                 SampleState(
                     seq=seq,

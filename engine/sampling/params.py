@@ -4,12 +4,50 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_N = 128
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
 # Below this a temperature is treated as greedy: dividing logits by it would overflow
 # float32 without changing which token wins.
 GREEDY_TEMPERATURE = 1e-5
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutputs:
+    """What every sample's text must match, as vLLM's `structured_outputs` says it.
+
+    Exactly one of: `json`, a JSON schema (a dict, or its text); `json_object`, any JSON
+    object; `regex`; `choice`, one of these strings; `grammar`, a Lark or GBNF grammar.
+    `engine.sampling.grammar` compiles it; the sampler then masks every token that would
+    leave the language, and the sample ends when the language allows nothing more.
+    """
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(STRUCTURED_KINDS)}, "
+                f"got {', '.join(given) or 'none'}"
+            )
+        if self.choice is not None and (
+            not self.choice or not all(isinstance(c, str) and c for c in self.choice)
+        ):
+            raise ValueError("structured_outputs: choice must be a list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False))
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 
 
 @dataclass(slots=True)
@@ -18,7 +56,9 @@ class SamplingParams:
 
     Invariants after construction: `stop` is a list of non-empty strings, `stop_token_ids`
     a list of non-negative ints, `top_k` is 0 when disabled (-1 is accepted and mapped to
-    0), and every field is in range; otherwise `__post_init__` raises `ValueError` whose
+    0), `logit_bias` maps non-negative int token ids to finite biases in [-100, 100] (the
+    engine's intake checks the ids against the vocabulary), and every field is in range;
+    otherwise `__post_init__` raises `ValueError` whose
     message starts with the parameter's name.
     """
 
@@ -36,9 +76,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # number of top alternatives to report; 0: chosen token only
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
@@ -62,13 +104,24 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
+        if not isinstance(self.logit_bias, dict):
+            raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
+        self.logit_bias = dict(self.logit_bias)
+        for token_id, bias in self.logit_bias.items():
+            _check_int("logit_bias token id", token_id, low=0)
+            _check_float("logit_bias value", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
         _check_int("min_tokens", self.min_tokens, low=0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
         if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0, high=MAX_LOGPROBS)
+            _check_int("logprobs", self.logprobs, low=0)
+            if self.logprobs > MAX_LOGPROBS:
+                raise ValueError(
+                    f"logprobs must be <= {MAX_LOGPROBS}: more alternatives are not "
+                    f"supported, got {self.logprobs}"
+                )
 
     @property
     def greedy(self) -> bool:

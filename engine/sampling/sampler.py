@@ -1,9 +1,10 @@
 """Batched next-token sampling over one engine step.
 
-Each row of the logits is processed in vLLM's order: min_tokens masking, repetition /
-frequency / presence penalties, then (for non-greedy rows) temperature, top-k, top-p,
-min-p and a draw. Greedy rows (temperature below `GREEDY_TEMPERATURE`) take the argmax of
-the penalised logits; truncation never changes an argmax, so it is skipped for them.
+Each row of the logits is processed in vLLM's order: min_tokens masking, logit_bias,
+repetition / frequency / presence penalties, then (for non-greedy rows) temperature,
+top-k, top-p, min-p and a draw. Greedy rows (temperature below `GREEDY_TEMPERATURE`)
+take the argmax of the penalised logits; truncation never changes an argmax, so it is
+skipped for them.
 
 Reproducibility: a seeded non-greedy row draws its noise only from its own generator,
 exactly one vocabulary-sized draw per sampled token, and every step of its processing is
@@ -11,8 +12,9 @@ row-wise, so its tokens depend on its logits and its seed and never on which oth
 share the batch. Unseeded rows share the sampler's generator, seeded by the engine's
 `seed` setting, so a fresh engine given the same requests in the same order repeats itself.
 
-Logprobs are "raw": the log_softmax of the model's logits as given, before penalties,
-temperature and truncation (vLLM's default), so they describe the model, not the sampler.
+Logprobs are "raw": the log_softmax of the model's logits as given, before logit_bias,
+penalties, temperature and truncation (vLLM's default), so they describe the model, not
+the sampler.
 """
 
 from __future__ import annotations
@@ -21,11 +23,16 @@ import hashlib
 import math
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import TokenLogprobs
+from engine.sampling.grammar import mask_logits
 from engine.sampling.params import SamplingParams
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 # Top-p looks for a row's nucleus among this many most likely tokens, then among more,
 # before sorting the whole vocabulary (see `_top_p`).
@@ -41,7 +48,8 @@ class SamplingRow:
     `generator` is the sequence's own RNG when its request has a seed (see
     `seeded_generator`), else None. `stop_token_ids` are the tokens that would end the
     sequence, masked while it has fewer than `min_tokens` outputs; the sample that owns the
-    row decides them (`engine.request.sample.ending_token_ids`).
+    row decides them (`engine.request.sample.ending_token_ids`). `matcher`, for a request
+    with structured outputs, is the sample's grammar matcher: tokens it forbids are masked.
     """
 
     params: SamplingParams
@@ -49,6 +57,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     stop_token_ids: Set[int] = field(default_factory=frozenset)
+    matcher: LLMatcher | None = None
 
 
 @dataclass(slots=True)
@@ -91,7 +100,11 @@ class Sampler:
         if logits.dim() != 2 or logits.shape[0] != len(rows):
             raise ValueError(f"logits shape {tuple(logits.shape)} does not match {len(rows)} rows")
         raw = logits.float()
-        processed = apply_penalties(self._mask_min_tokens(raw, rows), rows)
+        processed = apply_penalties(apply_logit_bias(self._mask_min_tokens(raw, rows), rows), rows)
+        constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
+        if constrained:
+            processed = processed.clone() if processed is raw else processed
+            mask_logits(processed, constrained, [rows[i].matcher for i in constrained])
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
             token_ids = processed.argmax(dim=-1)
@@ -122,6 +135,29 @@ class Sampler:
         masked = logits.clone()
         masked[_index(row_index, logits.device), _index(token_index, logits.device)] = -torch.inf
         return masked
+
+
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Return `logits` with each row's `logit_bias` added: a new tensor if any row has a
+    bias, else `logits` itself, untouched and with no work done. Ids beyond the logits'
+    width are skipped (the intake refuses them; this only guards the indexing)."""
+    vocab_size = logits.shape[1]
+    row_index: list[int] = []
+    token_index: list[int] = []
+    values: list[float] = []
+    for i, row in enumerate(rows):
+        for token_id, bias in row.params.logit_bias.items():
+            if token_id < vocab_size:
+                row_index.append(i)
+                token_index.append(token_id)
+                values.append(bias)
+    if not row_index:
+        return logits
+    device = logits.device
+    index = (_index(row_index, device), _index(token_index, device))
+    bias = torch.tensor(values, dtype=logits.dtype, device=device)
+    # A row's ids are distinct (dict keys), so every (row, id) pair is added to once.
+    return logits.clone().index_put_(index, bias, accumulate=True)
 
 
 def _index(positions: Sequence[int], device: torch.device) -> torch.Tensor:

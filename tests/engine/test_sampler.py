@@ -14,6 +14,7 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
     Sampler,
     SamplingRow,
+    apply_logit_bias,
     apply_penalties,
     seeded_generator,
 )
@@ -251,6 +252,51 @@ def test_min_tokens_masks_random_rows_too(sampler: Sampler) -> None:
     logits[:, EOS] = 5.0
     rows = [row(SamplingParams(min_tokens=1))] * 200
     assert EOS not in sampler.sample(logits, rows).token_ids
+
+
+def test_logit_bias_bans_and_forces_greedy_tokens_and_logprobs_stay_raw(
+    sampler: Sampler,
+) -> None:
+    logits = random_logits(3, scale=3.0)
+    top = logits.argmax(-1).tolist()
+    rows = [
+        row(SamplingParams(temperature=0, logprobs=1, logit_bias={top[0]: -100})),
+        row(SamplingParams(temperature=0, logprobs=1, logit_bias={5: 100, 6: 100.0})),
+        row(SamplingParams(temperature=0, logprobs=1)),
+    ]
+    out = sampler.sample(logits, rows)
+    assert out.token_ids[0] == logits[0].topk(2).indices[1].item()  # the runner-up
+    assert out.token_ids[1] == max((5, 6), key=lambda t: logits[1, t].item())
+    assert out.token_ids[2] == top[2]
+    raw = torch.log_softmax(logits, dim=-1)
+    for i, logprobs in enumerate(out.logprobs):
+        assert logprobs is not None
+        assert math.isclose(logprobs.logprob, raw[i, out.token_ids[i]].item(), abs_tol=1e-5)
+        assert logprobs.top[0][0] == top[i]
+
+
+def test_logit_bias_bans_a_likely_token_from_random_rows(sampler: Sampler) -> None:
+    logits = repeat_distribution([0.97, 0.01, 0.01, 0.01], 500)
+    rows = [row(SamplingParams(logit_bias={0: -100}))] * 250 + [row(SamplingParams())] * 250
+    tokens = sampler.sample(logits, rows).token_ids
+    assert 0 not in tokens[:250]
+    assert tokens[250:].count(0) > 200
+
+
+def test_logit_bias_is_added_to_its_rows_only_and_never_lifts_a_mask() -> None:
+    logits = random_logits(3)
+    rows = [
+        row(SamplingParams(logit_bias={1: 2.5, 10**6: 100})),
+        row(SamplingParams()),
+        row(SamplingParams(logit_bias={EOS: 100}, min_tokens=1)),
+    ]
+    assert apply_logit_bias(logits, rows[1:2]) is logits  # no bias anywhere: no work
+    biased = apply_logit_bias(logits, rows)
+    assert torch.equal(biased[1], logits[1])
+    assert math.isclose(biased[0, 1], logits[0, 1] + 2.5, rel_tol=1e-6)
+    assert torch.equal(biased[0, 2:], logits[0, 2:]) and biased[0, 0] == logits[0, 0]
+    greedy = SamplingParams(temperature=0, logit_bias={EOS: 100}, min_tokens=1)
+    assert Sampler().sample(logits[:1], [row(greedy)]).token_ids != [EOS]
 
 
 def seeded_run(sampler: Sampler, steps: int, batch: list[tuple[SamplingParams, int]]) -> list:

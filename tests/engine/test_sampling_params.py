@@ -52,6 +52,7 @@ def test_greedy_and_penalty_flags() -> None:
         dict(logprobs=20),
         dict(seed=-3),
         dict(stop_token_ids=[0, 7]),
+        dict(logit_bias={0: -100, 7: 100.0, 9: 0.5}),
     ],
 )
 def test_boundary_values_are_accepted(kwargs: dict) -> None:
@@ -87,6 +88,12 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
         ("min_tokens", dict(max_tokens=4, min_tokens=5)),
         ("logprobs", dict(logprobs=-1)),
         ("logprobs", dict(logprobs=21)),
+        ("logit_bias", dict(logit_bias=[(1, 2.0)])),
+        ("logit_bias token id", dict(logit_bias={-1: 1.0})),
+        ("logit_bias token id", dict(logit_bias={"5": 1.0})),
+        ("logit_bias value", dict(logit_bias={5: 100.5})),
+        ("logit_bias value", dict(logit_bias={5: -101})),
+        ("logit_bias value", dict(logit_bias={5: math.nan})),
     ],
 )
 def test_invalid_values_raise_naming_the_parameter(name: str, kwargs: dict) -> None:

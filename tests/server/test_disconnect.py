@@ -9,6 +9,12 @@ import httpx
 from tests.server.conftest import engine_metrics
 
 LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 450, "ignore_eos": True}
+CHAT = {
+    "model": "tiny",
+    "messages": [{"role": "user", "content": "Hi"}],
+    "max_tokens": 450,
+    "ignore_eos": True,
+}
 
 
 def wait_until_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
@@ -39,7 +45,7 @@ def test_streams_closed_mid_way_free_everything(tiny_server: str) -> None:
             ("completions", {**LONG, "stream": True, "n": 2}),
             (
                 "chat/completions",
-                {**LONG, "stream": True, "messages": [{"role": "user", "content": "Hi"}]},
+                {**CHAT, "stream": True},
             ),
         ]:
             with http.stream("POST", f"{tiny_server}/v1/{path}", json=body) as response:

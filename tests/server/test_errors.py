@@ -75,6 +75,77 @@ BAD_REQUESTS: dict[str, tuple[tuple[str, Any], int, str | None]] = {
     "huge max_completion_tokens": (chat(max_completion_tokens=10**6), 400, None),
     "unknown chat model": (chat(model="nope"), 404, "model"),
     "streaming too long": (chat(stream=True, max_tokens=10**6), 400, None),
+    # Issue 13: nothing is silently dropped, and bad inputs are 4xx.
+    "lone surrogate in prompt": (
+        ("completions", b'{"model": "tiny", "prompt": "\\ud800 broken surrogate"}'),
+        400,
+        "prompt",
+    ),
+    "lone surrogate in a message": (
+        (
+            "chat/completions",
+            b'{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+        ),
+        400,
+        "messages[0].content",
+    ),
+    "lone surrogate in a key": (("completions", b'{"model": "tiny", "\\ud800": 1}'), 400, None),
+    "unknown field": (completion(temprature=0.5), 400, "temprature"),
+    "unknown nested field": (
+        chat(messages=[{"role": "user", "content": "Hi", "x": 1}]),
+        400,
+        "messages[0].x",
+    ),
+    "suffix": (completion(suffix="!"), 400, "suffix"),
+    "prompt_logprobs": (completion(prompt_logprobs=1), 400, "prompt_logprobs"),
+    "best_of below n": (completion(n=4, best_of=2), 400, "best_of"),
+    "best_of above n": (completion(n=1, best_of=2), 400, "best_of"),
+    "best_of in chat": (chat(best_of=2), 400, "best_of"),
+    "modalities": (chat(modalities=["text", "audio"]), 400, "modalities"),
+    "audio output": (chat(audio={"voice": "alloy", "format": "wav"}), 400, "audio"),
+    "prediction": (chat(prediction={"type": "content", "content": "x"}), 400, "prediction"),
+    "audio part": (
+        chat(messages=user_says([{"type": "input_audio", "input_audio": {"data": ""}}])),
+        400,
+        "messages[0].content[0].type",
+    ),
+    "user without content": (chat(messages=[{"role": "user"}]), 400, "messages[0].content"),
+    "system with null content": (
+        chat(messages=[{"role": "system", "content": None}, {"role": "user", "content": "Hi"}]),
+        400,
+        "messages[0].content",
+    ),
+    "developer without content": (
+        chat(messages=[{"role": "developer"}]),
+        400,
+        "messages[0].content",
+    ),
+    "stream_options without stream": (
+        completion(stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    "chat stream_options with stream false": (
+        chat(stream=False, stream_options={"include_usage": True}),
+        400,
+        "stream_options",
+    ),
+    "unknown stream_options field": (
+        completion(stream=True, stream_options={"continuous_usage_stats": True}),
+        400,
+        "stream_options.continuous_usage_stats",
+    ),
+    "negative max_completion_tokens": (
+        chat(max_completion_tokens=-1),
+        400,
+        "max_completion_tokens",
+    ),
+    "logit_bias key not an id": (completion(logit_bias={"the": 5}), 400, "logit_bias"),
+    "logit_bias negative id": (chat(logit_bias={"-1": 5}), 400, "logit_bias"),
+    "logit_bias id out of vocab": (completion(logit_bias={"100000": 5}), 400, "logit_bias"),
+    "logit_bias value above 100": (chat(logit_bias={"5": 100.5}), 400, "logit_bias"),
+    "logit_bias value a string": (completion(logit_bias={"5": "high"}), 400, "logit_bias.5"),
+    "logit_bias a list": (chat(logit_bias=[5]), 400, "logit_bias"),
 }
 
 
@@ -152,3 +223,52 @@ def test_unknown_route_is_an_openai_404(keyed_server: str) -> None:
     response = httpx.get(f"{keyed_server}/v1/nothing", headers=AUTH)
     assert response.status_code == 404
     assert response.json()["error"]["type"] == "not_found_error"
+
+
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (completion(suffix="!"), "suffix: not supported: insertion"),
+        (completion(n=2, best_of=3), "best_of: above n (2) is not supported"),
+        (chat(modalities=["audio"]), "modalities: not supported"),
+        (chat(messages=user_says([{"type": "image_url"}])), "'image_url' content parts are not"),
+        (completion(logprobs=21), "logprobs must be <= 20: more alternatives are not supported"),
+        (completion(temprature=0.5), "temprature: unrecognized request argument"),
+        (chat(max_completion_tokens=0), "max_completion_tokens must be >= 1"),
+    ],
+)
+def test_refusals_say_why(keyed_server: str, call: tuple[str, Any], words: str) -> None:
+    path, body = call
+    response = httpx.post(f"{keyed_server}/v1/{path}", json=body, headers=AUTH)
+    assert response.status_code == 400
+    assert words in response.json()["error"]["message"]
+
+
+def test_no_op_and_null_fields_are_accepted(keyed_server: str) -> None:
+    api = client(keyed_server, api_key=KEY)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant"},  # an assistant turn may come without content
+        {"role": "user", "content": "Again"},
+    ]
+    no_ops = dict(user="u-1", metadata={"k": "v"}, store=False, service_tier="auto")
+    result = api.chat.completions.create(
+        model="tiny",
+        messages=messages,
+        max_tokens=2,
+        audio=None,
+        **no_ops,
+        extra_body={"safety_identifier": "s", "best_of": None},
+    )
+    assert result.choices[0].message.role == "assistant"
+    plain = api.completions.create(model="tiny", prompt="Hi", max_tokens=3, temperature=0)
+    same = api.completions.create(
+        model="tiny", prompt="Hi", max_tokens=3, temperature=0, user="u-1", suffix=None, best_of=1
+    )
+    assert same.choices[0].text == plain.choices[0].text
+
+
+def test_tokenize_endpoints_need_the_key(keyed_server: str) -> None:
+    for path, body in (("tokenize", {"prompt": "Hi"}), ("detokenize", {"tokens": [1]})):
+        assert_openai_error(httpx.post(f"{keyed_server}/{path}", json=body), 401, None)
+        assert httpx.post(f"{keyed_server}/{path}", json=body, headers=AUTH).status_code == 200

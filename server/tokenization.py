@@ -1,0 +1,62 @@
+"""POST /tokenize and POST /detokenize, in vLLM's shapes.
+
+Both use the engine's own tokenizer on its intake thread, and /tokenize renders messages
+with the same conversion and chat template as /v1/chat/completions, so the ids it returns
+are the ids a request would be charged for. Nothing is checked against `max_model_len`:
+the response carries it, for the client to compare.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from engine.request.intake import ChatTemplateError
+from server.auth import require_api_key
+from server.chat_tools import conversation
+from server.errors import invalid_request, user_errors
+from server.protocol import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from server.state import server_state
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(body: TokenizeRequest, request: Request) -> Response:
+    state = server_state(request)
+    llm = state.ready_llm()
+    if body.model is not None:
+        state.check_model(body.model)
+    if body.messages is not None:
+        add_generation_prompt = body.add_generation_prompt is not False
+        try:
+            tokens = await llm.render_chat(
+                conversation(body.messages, state.tool_syntax()), add_generation_prompt
+            )
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "messages") from exc
+    else:
+        assert body.prompt is not None, "TokenizeRequest holds a prompt or messages"
+        tokens = await llm.encode(body.prompt, body.add_special_tokens is not False)
+    token_strs = await llm.token_strs(tokens) if body.return_token_strs else None
+    response = TokenizeResponse(
+        count=len(tokens), max_model_len=llm.max_model_len, tokens=tokens, token_strs=token_strs
+    )
+    return Response(response.model_dump_json(exclude_none=True), media_type="application/json")
+
+
+@router.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    state = server_state(request)
+    llm = state.ready_llm()
+    if body.model is not None:
+        state.check_model(body.model)
+    with user_errors({"tokens"}):
+        text = await llm.decode(body.tokens)
+    return Response(
+        DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json"
+    )

@@ -1,0 +1,272 @@
+"""Tool-call formats: how a model writes function calls, and how to read them back.
+
+A format is chosen per server (`tool_call_parser`; `auto` reads the chat template) and
+does four things: render the tools into the prompt when the chat template itself ignores
+them, render an earlier assistant call back into text for such a template, give the Lark
+grammar (llguidance's dialect, with `%json` for arguments) that forces a call when the
+request's `tool_choice` is `required` or names a function, and parse calls out of the
+model's text, also while it streams.
+
+- `hermes` (Hermes, Qwen 2.5/3 and many others): `<tool_call>\\n{"name": ..., "arguments":
+  {...}}\\n</tool_call>`, one block per call, after optional text.
+- `llama3_json` (Llama 3.1-3.3): the whole message is `{"name": ..., "parameters": {...}}`,
+  possibly after `<|python_tag|>`, several separated by `;`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedToolCall:
+    """One call the model made: the function's name and its arguments as JSON text."""
+
+    name: str
+    arguments: str
+
+
+@dataclass(frozen=True, slots=True)
+class Function:
+    """A tool the request offers: `parameters` is its arguments' JSON schema."""
+
+    name: str
+    description: str | None
+    parameters: dict[str, Any]
+
+    def as_openai(self) -> dict[str, Any]:
+        spec: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
+        if self.description:
+            spec["description"] = self.description
+        return {"type": "function", "function": spec}
+
+
+class ToolCallFormat(ABC):
+    """The shared parts of a format; subclasses give the syntax."""
+
+    name = ""
+    arguments_key = "arguments"
+
+    @abstractmethod
+    def instructions(self, functions: list[Function]) -> str:
+        """A system message that describes the tools, for templates that ignore them."""
+
+    @abstractmethod
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
+        """An earlier call as the model would have written it."""
+
+    @abstractmethod
+    def call_grammar(self, functions: list[Function], parallel: bool) -> str:
+        """A Lark grammar of one call (several if `parallel`) of one of `functions`."""
+
+    @abstractmethod
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        """The text before the calls (None if blank) and the calls; text without a
+        well-formed call is all content."""
+
+    @abstractmethod
+    def calls_start(self, text: str) -> int | None:
+        """Where tool-call text begins in `text`, if it has begun."""
+
+    @abstractmethod
+    def undecided_suffix(self, text: str) -> int:
+        """How many characters at the end of `text` might begin a call (hold them back)."""
+
+    def _call_schema(self, functions: list[Function]) -> dict[str, Any]:
+        """JSON schema of one call object: the name of one of `functions` and its arguments."""
+        options = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": f.name},
+                    self.arguments_key: f.parameters or {"type": "object"},
+                },
+                "required": ["name", self.arguments_key],
+                "additionalProperties": False,
+            }
+            for f in functions
+        ]
+        return options[0] if len(options) == 1 else {"anyOf": options}
+
+    def _call(self, data: object) -> ParsedToolCall | None:
+        if not isinstance(data, dict) or not isinstance(data.get("name"), str):
+            return None
+        arguments = data.get(self.arguments_key, data.get("arguments", {}))
+        if isinstance(arguments, str):
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return ParsedToolCall(data["name"], json.dumps(arguments, ensure_ascii=False))
+
+
+class HermesFormat(ToolCallFormat):
+    name = "hermes"
+    _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+    _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+
+    def instructions(self, functions: list[Function]) -> str:
+        signatures = "\n".join(json.dumps(f.as_openai(), ensure_ascii=False) for f in functions)
+        return (
+            "You can call functions to help with the user's request. Their signatures, as "
+            f"JSON, are inside <tools></tools>:\n<tools>\n{signatures}\n</tools>\n\n"
+            "To call a function, answer with a JSON object holding its name and arguments "
+            f"inside {self._OPEN}{self._CLOSE} tags, one block per call:\n"
+            f'{self._OPEN}\n{{"name": <function name>, "arguments": <arguments as a JSON '
+            f"object>}}\n{self._CLOSE}"
+        )
+
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
+        call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+        return f"{self._OPEN}\n{call}\n{self._CLOSE}"
+
+    def call_grammar(self, functions: list[Function], parallel: bool) -> str:
+        schema = json.dumps(self._call_schema(functions))
+        call = f'"{self._OPEN}\\n" %json {schema} "\\n{self._CLOSE}"'
+        start = 'call ("\\n" call)*' if parallel else "call"
+        return f"start: {start}\ncall: {call}\n"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        start = self.calls_start(text)
+        if start is None:
+            return text, []
+        calls = []
+        for block in self._BLOCK.findall(text, start):
+            try:
+                call = self._call(json.loads(block))
+            except json.JSONDecodeError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return text[:start].strip() or None, calls
+
+    def calls_start(self, text: str) -> int | None:
+        position = text.find(self._OPEN)
+        return None if position == -1 else position
+
+    def undecided_suffix(self, text: str) -> int:
+        for length in range(min(len(self._OPEN) - 1, len(text)), 0, -1):
+            if self._OPEN.startswith(text[-length:]):
+                return length
+        return 0
+
+
+class Llama3JsonFormat(ToolCallFormat):
+    name = "llama3_json"
+    arguments_key = "parameters"
+    _TAG = "<|python_tag|>"
+
+    def instructions(self, functions: list[Function]) -> str:
+        signatures = "\n\n".join(
+            json.dumps(f.as_openai(), indent=4, ensure_ascii=False) for f in functions
+        )
+        return (
+            "Given the following functions, please respond with a JSON for a function call "
+            "with its proper arguments that best answers the given prompt.\n\nRespond in the "
+            'format {"name": function name, "parameters": dictionary of argument name and '
+            f"its value}}. Do not use variables.\n\n{signatures}"
+        )
+
+    def render_call(self, name: str, arguments: dict[str, Any]) -> str:
+        return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
+
+    def call_grammar(self, functions: list[Function], parallel: bool) -> str:
+        call = f"%json {json.dumps(self._call_schema(functions))}"
+        start = 'call ("; " call)*' if parallel else "call"
+        return f"start: {start}\ncall: {call}\n"
+
+    def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
+        start = self.calls_start(text)
+        if start is None:
+            return text, []
+        body = text[start:].removeprefix(self._TAG).strip()
+        decoder, calls, position = json.JSONDecoder(), [], 0
+        while position < len(body):
+            try:
+                data, position = decoder.raw_decode(body, position)
+            except json.JSONDecodeError:
+                return text, []
+            call = self._call(data)
+            if call is None:
+                return text, []
+            calls.append(call)
+            position = len(body) - len(body[position:].lstrip().removeprefix(";").lstrip())
+        return (text[:start].strip() or None), calls
+
+    def calls_start(self, text: str) -> int | None:
+        stripped = text.lstrip()
+        if stripped.startswith(self._TAG) or stripped.startswith("{"):
+            return len(text) - len(stripped)
+        return None
+
+    def undecided_suffix(self, text: str) -> int:
+        stripped = text.lstrip()
+        if not stripped or self._TAG.startswith(stripped):
+            return len(text)  # nothing but whitespace, or a tag still being written
+        return 0
+
+
+_FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}
+
+
+def choose_format(setting: str, chat_template: str | None) -> ToolCallFormat:
+    """The format `setting` names; `auto` picks the one the chat template writes (Hermes's
+    `<tool_call>` or Llama 3's `<|python_tag|>`/`parameters`), else Hermes."""
+    if setting != "auto":
+        return _FORMATS[setting]
+    template = chat_template or ""
+    if "<tool_call>" not in template and (
+        "<|python_tag|>" in template or '"parameters"' in template
+    ):
+        return _FORMATS["llama3_json"]
+    return _FORMATS["hermes"]
+
+
+def template_takes_tools(chat_template: str | None) -> bool:
+    """Whether the chat template renders a `tools` list (else tools are described in a
+    system message, in the format's own words)."""
+    return chat_template is not None and "tools" in chat_template
+
+
+class ToolCallStream:
+    """One streamed choice's text, split into content to send now and call text to hold.
+
+    Invariant: `feed` returns only text that can no longer turn out to be part of a tool
+    call; everything else waits for `finish`, which parses it. With `all_calls` (the
+    request forces a call), all of the text is held.
+    """
+
+    def __init__(self, tool_format: ToolCallFormat, all_calls: bool) -> None:
+        self._format = tool_format
+        self._all_calls = all_calls
+        self._text = ""
+        self._sent = 0
+
+    def feed(self, delta: str) -> str:
+        self._text += delta
+        if self._all_calls:
+            return ""
+        start = self._format.calls_start(self._text)
+        end = start if start is not None else len(self._text)
+        if start is None:
+            end -= self._format.undecided_suffix(self._text)
+        end = max(end, self._sent)
+        content, self._sent = self._text[self._sent : end], end
+        return content
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """The content not yet sent, and the calls in the whole text."""
+        _, calls = self._format.parse(self._text)
+        start = self._format.calls_start(self._text) if calls else None
+        end = len(self._text) if start is None else start
+        rest, self._sent = self._text[self._sent : end], len(self._text)
+        return (rest.rstrip() if calls else rest), calls
