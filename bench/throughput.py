@@ -56,6 +56,7 @@ from engine.config import EngineConfig, load_config
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout
 from engine.model.loader import LoadedModel, load_model, resolve_model_folder
+from engine.sampling.params import StructuredOutputs
 
 logger = logging.getLogger("bench.throughput")
 
@@ -110,14 +111,20 @@ class RunResult:
 
 
 def run_pagedserve(
-    config: EngineConfig, workload: Workload, warmup: Workload, label: str
+    config: EngineConfig,
+    workload: Workload,
+    warmup: Workload,
+    label: str,
+    structured: StructuredOutputs | None = None,
 ) -> RunResult:
-    """Build an LLM from `config`, warm it up, then time `generate` over the workload."""
+    """Build an LLM from `config`, warm it up, then time `generate` over the workload
+    (every request constrained by `structured`, if given)."""
     llm = LLM(**config.model_dump())
-    llm.generate(warmup.prompts, _greedy_params(warmup), use_tqdm=False)
+    llm.generate(warmup.prompts, _greedy_params(warmup, structured), use_tqdm=False)
     preemptions_before = llm.engine.stats().num_preemptions
     start = perf_counter()
-    outputs = llm.generate(workload.prompts, _greedy_params(workload), use_tqdm=False)
+    params = _greedy_params(workload, structured)
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     seconds = perf_counter() - start
     failed = [output.error for output in outputs if output.error is not None]
     if failed:
@@ -139,10 +146,14 @@ def run_pagedserve(
     )
 
 
-def _greedy_params(workload: Workload) -> list[SamplingParams]:
+def _greedy_params(
+    workload: Workload, structured: StructuredOutputs | None = None
+) -> list[SamplingParams]:
     """One per request, each generating exactly its request's output length."""
     return [
-        SamplingParams(max_tokens=length, temperature=0.0, ignore_eos=True)
+        SamplingParams(
+            max_tokens=length, temperature=0.0, ignore_eos=True, structured_outputs=structured
+        )
         for length in workload.output_lens
     ]
 
@@ -318,6 +329,29 @@ def load_peer_model(config: EngineConfig) -> LoadedModel:
     )
 
 
+# The schema of `--json-schema`: at least 64 records, more than any output of these
+# workloads can hold, so a constrained request runs its whole length like an unconstrained one.
+RECORDS_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "records": {
+            "type": "array",
+            "minItems": 64,
+            "items": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer"},
+                    "name": {"type": "string"},
+                    "tags": {"type": "array", "items": {"type": "string"}},
+                },
+                "required": ["id", "name", "tags"],
+            },
+        }
+    },
+    "required": ["records"],
+}
+
+
 # -- workloads and runs ---------------------------------------------------------------
 
 
@@ -366,6 +400,12 @@ def run_engines(
         logger.info("running pagedserve")
         results.append(run_pagedserve(config, workload, warmup, "pagedserve"))
         gc.collect()
+        if args.json_schema:
+            label = "pagedserve (JSON schema)"
+            logger.info("running %s", label)
+            schema = StructuredOutputs(json=RECORDS_SCHEMA)
+            results.append(run_pagedserve(config, workload, warmup, label, schema))
+            gc.collect()
     peers = [engine for engine in args.engines if engine != "pagedserve"]
     if peers:
         loaded = load_peer_model(config)
@@ -560,6 +600,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--threads", type=int, help="torch CPU threads for every engine (default: torch's)"
     )
+    parser.add_argument(
+        "--json-schema", action="store_true",
+        help="also run pagedserve with every request constrained by a JSON schema (structured "
+        "outputs) that no output of the workload's lengths can complete",
+    )  # fmt: skip
     parser.add_argument(
         "--set", type=engine_setting, action="append", default=[], metavar="KEY=VALUE",
         help="a pagedserve engine setting, repeatable: e.g. --set attention_backend=triton "

@@ -256,9 +256,10 @@ class ToolCallStream:
         if self._all_calls:
             return ""
         start = self._format.calls_start(self._text)
-        end = start if start is not None else len(self._text)
         if start is None:
-            end -= self._format.undecided_suffix(self._text)
+            end = len(self._text) - self._format.undecided_suffix(self._text)
+        else:  # the content ends where the calls begin, without the space before them
+            end = len(self._text[:start].rstrip())
         end = max(end, self._sent)
         content, self._sent = self._text[self._sent : end], end
         return content

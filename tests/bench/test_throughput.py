@@ -130,6 +130,20 @@ def test_w1_runs_every_engine_and_writes_json(tiny_llama: str, tmp_path: Path, c
     assert "pagedserve / generate_batch" in capsys.readouterr().out
 
 
+def test_json_schema_run_sits_next_to_the_unconstrained_one(tiny_llama: str, tmp_path: Path):
+    path = tmp_path / "schema.json"
+    throughput.main(
+        [
+            "--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+            "--engines", "pagedserve", "--num-requests", "2", "--min-prompt", "4",
+            "--max-prompt", "6", "--output-len", "12", "--json-schema", "--json", str(path),
+        ]
+    )  # fmt: skip
+    results = json.loads(path.read_text())["results"]
+    assert [r["engine"] for r in results] == ["pagedserve", "pagedserve (JSON schema)"]
+    assert all(r["output_tokens"] == 24 for r in results)
+
+
 def test_per_request_output_lengths_reach_every_engine(tiny_llama: str, tmp_path: Path, capsys):
     path = tmp_path / "nano.json"
     throughput.main(
