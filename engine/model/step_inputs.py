@@ -86,32 +86,20 @@ def build_step_inputs(
 
 
 class Staging:
-    """Moves int64 host arrays to the device in one copy, through one pinned buffer.
+    """Moves int64 host arrays to the device in one copy.
 
-    On the CPU the arrays are only concatenated. On CUDA the pinned buffer is reused: an
-    upload first waits for the previous upload's copy to finish, so an asynchronous copy
-    never reads a buffer being refilled.
+    The arrays are concatenated into one fresh host array (on the CPU, that is all) and
+    copied whole; the device tensors are views of the copy. The copy is from pageable
+    memory: a reused pinned buffer would let it overlap the host's work, but that waits
+    until it can be measured on a GPU.
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host = torch.zeros(0, dtype=torch.int64)
-        self._copied: torch.cuda.Event | None = None
 
     def upload(self, *arrays: np.ndarray) -> list[torch.Tensor]:
         """One device tensor per array (views of one flat tensor), in the arrays' order."""
-        sizes = [array.size for array in arrays]
-        total = sum(sizes)
-        if self.device.type == "cpu":
-            flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
-            return list(flat.split(sizes))
-        if self._copied is not None:
-            self._copied.synchronize()
-        if self._host.numel() < total:
-            self._host = torch.zeros(max(total, 2 * self._host.numel()), dtype=torch.int64)
-            self._host = self._host.pin_memory()
-        np.concatenate(arrays, out=self._host[:total].numpy(), casting="same_kind")
-        flat = self._host[:total].to(self.device, non_blocking=True)
-        self._copied = torch.cuda.Event()
-        self._copied.record()
-        return list(flat.split(sizes))
+        flat = torch.from_numpy(np.concatenate(arrays).astype(np.int64, copy=False))
+        if self.device.type != "cpu":
+            flat = flat.to(self.device, non_blocking=True)
+        return list(flat.split([array.size for array in arrays]))
