@@ -12,12 +12,10 @@ pytest.importorskip("triton", reason="Triton is not installed (it ships with CUD
 
 from engine.model.kernels import triton_attention
 from tests.engine.test_attention_kernel import (
-    BF16_TOL,
-    FP32_TOL,
     LENGTHS,
     Case,
+    assert_matches,
     make_case,
-    reference,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -26,7 +24,7 @@ DTYPES = pytest.mark.parametrize(
 )
 
 
-def run_triton(case: Case) -> torch.Tensor:
+def run_triton(case: Case, max_query_len: int | None = None) -> torch.Tensor:
     out = triton_attention.paged_attention(
         case.q.to(DEVICE),
         case.k_cache.to(DEVICE),
@@ -35,15 +33,9 @@ def run_triton(case: Case) -> torch.Tensor:
         case.query_start.to(DEVICE),
         torch.tensor(case.context_lens, device=DEVICE),
         case.scale,
-        max_query_len=max(case.queries),
+        max_query_len=max_query_len or max(case.queries),
     )
     return out.cpu()
-
-
-def assert_matches(actual: torch.Tensor, case: Case) -> None:
-    assert actual.dtype == case.q.dtype and actual.shape == case.q.shape
-    tolerance = FP32_TOL if case.q.dtype == torch.float32 else BF16_TOL
-    torch.testing.assert_close(actual.double(), reference(case), **tolerance)
 
 
 @DTYPES
@@ -112,17 +104,7 @@ def test_a_rows_bits_do_not_depend_on_where_its_chunk_starts(dtype: torch.dtype)
 def test_sequences_without_query_rows_in_a_padded_grid() -> None:
     # max_query_len larger than any chunk: the extra programs return without writing.
     case = make_case((17, 30), 4, 2, 64, 16, torch.float32, seed=3, queries=(1, 2))
-    out = triton_attention.paged_attention(
-        case.q.to(DEVICE),
-        case.k_cache.to(DEVICE),
-        case.v_cache.to(DEVICE),
-        case.block_tables.to(DEVICE),
-        case.query_start.to(DEVICE),
-        torch.tensor(case.context_lens, device=DEVICE),
-        case.scale,
-        max_query_len=64,
-    )
-    assert_matches(out.cpu(), case)
+    assert_matches(run_triton(case, max_query_len=64), case)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
