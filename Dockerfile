@@ -5,8 +5,10 @@
 #   BASE_IMAGE       any image with Python 3.11+, or an Ubuntu/Debian CUDA base (Python is
 #                    then installed from apt); default python:3.11-slim
 #   TORCH_VERSION    default 2.13.0
-#   TORCH_INDEX_URL  a PyTorch wheel index (the CPU or a CUDA one); empty: a torch wheel
-#                    placed in ./wheels/ of the build context, else the default index
+#   TORCH_INDEX_URL  the PyTorch wheel index torch comes from; default PyTorch's CPU index,
+#                    a CUDA one for a GPU image, empty for the default index (which on Linux
+#                    serves the CUDA build). A torch wheel in ./wheels/ of the build context
+#                    wins over any index (its dependencies then come from the default index)
 #   CONFIG           the config file baked in as /etc/pagedserve/config.yaml
 ARG BASE_IMAGE=python:3.11-slim
 
@@ -24,7 +26,7 @@ ENV PYTHONUNBUFFERED=1 \
 
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 # A C++ compiler for the decode-attention kernel, in this stage only, and Python's headers
 # where the base image's Python comes without them (an apt-installed python3).
 RUN set -- g++ \
@@ -39,8 +41,8 @@ ENV PATH=/opt/pagedserve/bin:$PATH
 # `wheel[s]` matches nothing when there is no wheels/ folder; pyproject.toml keeps the
 # COPY valid then (and is needed below anyway).
 COPY pyproject.toml wheel[s] /build/
-RUN if [ -n "$TORCH_INDEX_URL" ]; then set -- --index-url "$TORCH_INDEX_URL"; \
-    else set -- --find-links /build; fi \
+RUN if ls /build/torch-*.whl >/dev/null 2>&1; then set -- --find-links /build; \
+    elif [ -n "$TORCH_INDEX_URL" ]; then set -- --index-url "$TORCH_INDEX_URL"; fi \
     && pip install "$@" "torch==${TORCH_VERSION}"
 # The dependencies first, in their own layer, so that a code change reinstalls only the code.
 RUN python -c "import tomllib; print(*tomllib.load(open('/build/pyproject.toml', 'rb'))\

@@ -59,6 +59,34 @@ def healthcheck_command() -> list[str]:
     return [sys.executable, *command[1:]]
 
 
+def torch_install(wheels: list[str], index_url: str, build: Path) -> str:
+    """The pip command the builder stage runs to install torch, with `wheels` in the build
+    context and `index_url` as TORCH_INDEX_URL (pip replaced by echo)."""
+    command = next(rest for keyword, rest in instructions() if "torch==" in rest)
+    for wheel in wheels:
+        (build / wheel).touch()
+    script = command.replace("/build", str(build)).replace("pip install", "echo pip install")
+    env = {"PATH": os.environ["PATH"], "TORCH_INDEX_URL": index_url, "TORCH_VERSION": "2.13.0"}
+    result = subprocess.run(["sh", "-c", script], env=env, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return result.stdout.strip()
+
+
+def test_a_plain_build_installs_the_cpu_build_of_torch(tmp_path: Path) -> None:
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    assert build_arg("TORCH_INDEX_URL") == cpu_index
+    assert torch_install([], cpu_index, tmp_path) == (
+        f"pip install --index-url {cpu_index} torch==2.13.0"
+    )
+    # A wheel in wheels/ wins over any index; an empty index means the default index.
+    wheel = "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
+    assert torch_install([wheel], cpu_index, tmp_path) == (
+        f"pip install --find-links {tmp_path} torch==2.13.0"
+    )
+    (tmp_path / wheel).unlink()
+    assert torch_install([], "", tmp_path) == "pip install torch==2.13.0"
+
+
 def test_install_pins_match_the_makefile() -> None:
     makefile = (ROOT / "Makefile").read_text()
     assert f"torch=={build_arg('TORCH_VERSION')}" in makefile
