@@ -17,10 +17,11 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
+from server.admission import Deadline, request_deadline
 from server.auth import require_api_key
 from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.disconnect import cancel_on_disconnect
-from server.errors import engine_failure, error_body, invalid_request, user_errors
+from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.logprobs import chat_logprobs
@@ -55,6 +56,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     state = server_state(request)
     llm = state.ready_llm()
     state.check_model(body.model)
+    deadline = request_deadline(state.config, request)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
     # max_completion_tokens is OpenAI's newer name for max_tokens and wins when both are set.
@@ -80,16 +82,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc
-    chat = _Chat(state, llm, body, prompt, syntax, tools)
+    chat = _Chat(state, llm, body, prompt, syntax, tools, deadline)
+    ticket = state.admission.admit(params.n)
     if body.stream:
-        return SSEResponse(chat.events(http_request_id(request)))
-    final = await cancel_on_disconnect(request, chat.run())
+        return SSEResponse(chat.events(http_request_id(request)), on_close=ticket.release)
+    with ticket:
+        final = await cancel_on_disconnect(request, chat.run())
     return Response(chat.response(final).model_dump_json(), media_type="application/json")
 
 
 @dataclass(slots=True)
 class _Chat:
-    """One validated chat request over one rendered prompt."""
+    """One validated chat request over one rendered prompt; `deadline` ends it early."""
 
     state: ServerState
     llm: AsyncLLM
@@ -97,11 +101,14 @@ class _Chat:
     prompt: EngineRequest
     syntax: ToolSyntax
     tools: ChatTools | None
+    deadline: Deadline | None
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> RequestOutput:
-        finals = await final_outputs(self.state, self.llm, [self.prompt], self.request_id)
+        finals = await final_outputs(
+            self.state, self.llm, [self.prompt], self.request_id, self.deadline
+        )
         return finals[0]
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
@@ -140,7 +147,7 @@ class _Chat:
         streams = self._tool_streams()
         try:
             async for _, output, latest in generate(
-                self.state, self.llm, [self.prompt], self.request_id
+                self.state, self.llm, [self.prompt], self.request_id, self.deadline
             ):
                 whole = latest
                 for completion in output.outputs:
@@ -175,6 +182,10 @@ class _Chat:
                     yield sse(self._chunk(choice))
         except EngineError as exc:
             yield sse(error_body(engine_failure(http_id, exc)))
+            yield DONE
+            return
+        except OpenAIError as exc:  # the deadline passed: what was sent stays sent
+            yield sse(error_body(exc))
             yield DONE
             return
         if self.body.include_usage:

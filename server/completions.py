@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
+from server.admission import Deadline, request_deadline
 from server.auth import require_api_key
 from server.disconnect import cancel_on_disconnect
-from server.errors import engine_failure, error_body, invalid_request, user_errors
+from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.logprobs import CompletionLogprobsFormatter
@@ -40,6 +41,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     state = server_state(request)
     llm = state.ready_llm()
     state.check_model(body.model)
+    deadline = request_deadline(state.config, request)
     if body.echo and body.logprobs is not None:
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS, aliases=body.error_aliases()):
@@ -49,17 +51,19 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prefixes = [p if isinstance(p, str) else await llm.decode(p) for p in body.prompt]
     else:
         prefixes = [""] * len(prompts)
-    completion = _Completion(state, llm, body, params, prompts, prefixes)
+    completion = _Completion(state, llm, body, params, prompts, prefixes, deadline)
+    ticket = state.admission.admit(len(prompts) * params.n)
     if body.stream:
-        return SSEResponse(completion.events(http_request_id(request)))
-    finals = await cancel_on_disconnect(request, completion.run())
+        return SSEResponse(completion.events(http_request_id(request)), on_close=ticket.release)
+    with ticket:
+        finals = await cancel_on_disconnect(request, completion.run())
     return Response(completion.response(finals).model_dump_json(), media_type="application/json")
 
 
 @dataclass(slots=True)
 class _Completion:
     """One validated completion request. `prefixes[p]` starts every choice of prompt p:
-    the prompt's text when echoing, else empty."""
+    the prompt's text when echoing, else empty. `deadline` ends it early (a 504)."""
 
     state: ServerState
     llm: AsyncLLM
@@ -67,11 +71,14 @@ class _Completion:
     params: SamplingParams
     prompts: list[EngineRequest]
     prefixes: list[str]
+    deadline: Deadline | None
     request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> list[RequestOutput]:
-        return await final_outputs(self.state, self.llm, self.prompts, self.request_id)
+        return await final_outputs(
+            self.state, self.llm, self.prompts, self.request_id, self.deadline
+        )
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         choices = []
@@ -106,7 +113,7 @@ class _Completion:
         finished: set[int] = set()
         try:
             async for prompt_index, output, whole in generate(
-                self.state, self.llm, self.prompts, self.request_id
+                self.state, self.llm, self.prompts, self.request_id, self.deadline
             ):
                 wholes[prompt_index] = whole
                 for completion in output.outputs:
@@ -120,6 +127,10 @@ class _Completion:
                         yield sse(self._envelope([choice]))
         except EngineError as exc:
             yield sse(error_body(engine_failure(http_id, exc)))
+            yield DONE
+            return
+        except OpenAIError as exc:  # the deadline passed: what was sent stays sent
+            yield sse(error_body(exc))
             yield DONE
             return
         if self.body.include_usage:

@@ -40,6 +40,20 @@ class ServeConfig(EngineConfig):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
     # How the model writes tool calls (server/tools.py); auto reads the chat template.
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    # Overload and deadlines (server/admission.py).
+    max_queued_requests: int | None = Field(
+        None,
+        gt=0,
+        description="sequences (prompts x n) that may wait for a running slot before new "
+        "requests get a 429; default: 4 x max_num_seqs",
+    )
+    request_timeout: float | None = Field(
+        None,
+        gt=0,
+        allow_inf_nan=False,
+        description="seconds from arrival after which a request fails with a 504; a client "
+        "may shorten it with X-Request-Timeout; default: none",
+    )
 
     @field_validator("api_key", mode="before")
     @classmethod

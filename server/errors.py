@@ -169,6 +169,25 @@ def engine_failure(request_id: str, exc: EngineError) -> OpenAIError:
     return OpenAIError(500, message, type="server_error")
 
 
+def deadline_exceeded(timeout: float, generated: int) -> OpenAIError:
+    """The 504 for a request whose deadline passed and whose engine requests were aborted:
+    code `queue_timeout` if it had generated nothing yet (it waited for a running slot, or
+    was still reading its prompt), else `request_timeout`, with the tokens it had made."""
+    if generated == 0:
+        message = (
+            f"the request's deadline of {timeout:g} s passed before it generated anything "
+            "(it waited for the engine); it was cancelled"
+        )
+        code = "queue_timeout"
+    else:
+        message = (
+            f"the request's deadline of {timeout:g} s passed while it was generating; it was "
+            f"stopped after {generated} tokens"
+        )
+        code = "request_timeout"
+    return OpenAIError(504, message, type="timeout_error", code=code)
+
+
 async def _client_disconnected(request: Request, exc: ClientDisconnected) -> Response:
     return Response(status_code=CLIENT_CLOSED_REQUEST)
 

@@ -16,6 +16,8 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
+from server.admission import Deadline
+from server.errors import deadline_exceeded
 from server.protocol import PromptTokensDetails, Usage
 from server.state import ServerState
 
@@ -34,17 +36,34 @@ def new_request_id(prefix: str) -> str:
 
 
 async def generate(
-    state: ServerState, llm: AsyncLLM, requests: Sequence[EngineRequest], request_id: str
+    state: ServerState,
+    llm: AsyncLLM,
+    requests: Sequence[EngineRequest],
+    request_id: str,
+    deadline: Deadline | None = None,
 ) -> AsyncGenerator[tuple[int, RequestOutput, RequestOutput], None]:
     """Yield `(prompt index, output, whole)` as any prompt progresses: `output` holds the
-    deltas, `whole` that prompt's output so far. Records finished requests' latencies.
+    deltas, `whole` that prompt's output so far. Records finished requests' latencies and
+    their sequences for the drain rate.
 
-    Closing this generator aborts every prompt's engine request that has not finished.
+    Closing this generator aborts every prompt's engine request that has not finished. So
+    does `deadline` passing while it waits for the engine; it then raises the 504 of
+    `deadline_exceeded` (the time a consumer spends between items counts, but the check
+    is made when it asks for the next one).
     """
     streams = [llm.generate(request, f"{request_id}-{i}") for i, request in enumerate(requests)]
     wholes: dict[int, RequestOutput] = {}
     async with aclosing(merge_streams(streams)) as merged:
-        async for index, output in merged:
+        while True:
+            try:
+                index, output = await _next_before(merged, deadline)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                assert deadline is not None
+                state.metrics.requests_timed_out.inc()
+                generated = sum(len(c.token_ids) for w in wholes.values() for c in w.outputs)
+                raise deadline_exceeded(deadline.timeout, generated) from None
             whole = wholes.get(index)
             if whole is None:
                 whole = wholes[index] = output.copy()
@@ -52,15 +71,32 @@ async def generate(
                 whole.add(output)
             if output.finished:
                 state.metrics.observe_finished(whole)
+                state.admission.record_finished(len(whole.outputs))
             yield index, output, whole
 
 
+async def _next_before(items: AsyncIterator[T], deadline: Deadline | None) -> T:
+    """The next item, or TimeoutError once `deadline` has passed. On a timeout while
+    waiting, the cancellation reaches `items`, which ends (a `merge_streams` aborts)."""
+    if deadline is None:
+        return await anext(items)
+    remaining = deadline.remaining()
+    if remaining <= 0:
+        raise TimeoutError
+    async with asyncio.timeout(remaining):
+        return await anext(items)
+
+
 async def final_outputs(
-    state: ServerState, llm: AsyncLLM, requests: Sequence[EngineRequest], request_id: str
+    state: ServerState,
+    llm: AsyncLLM,
+    requests: Sequence[EngineRequest],
+    request_id: str,
+    deadline: Deadline | None = None,
 ) -> list[RequestOutput]:
     """Each prompt's whole (finished) output, in prompt order."""
     wholes: dict[int, RequestOutput] = {}
-    async for index, _, whole in generate(state, llm, requests, request_id):
+    async for index, _, whole in generate(state, llm, requests, request_id, deadline):
         wholes[index] = whole
     return [wholes[i] for i in range(len(requests))]
 

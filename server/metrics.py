@@ -3,14 +3,19 @@
 Engine gauges and counters are read from `llm.stats()` at scrape time, so they can never
 disagree with the engine; latency histograms are observed by the server when a request
 finishes, from the timestamps in its `RequestOutput.metrics`.
+
+Once a model is loaded, the series that vLLM also reports are exported a second time under
+vLLM's names (`VLLM_TWINS`), labelled `model_name` with the served name, so that dashboards
+and autoscalers written for vLLM work unchanged. A twin is a relabelled copy of its
+pagedserve family from the same scrape, never a separate measurement.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -22,6 +27,24 @@ PREFIX = "pagedserve_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+# A pagedserve family (less PREFIX) -> the vLLM (v1) family that reports the same quantity.
+# Counters are named without `_total`, which the exposition adds to both. vLLM's
+# per-request mean time per output token is pagedserve's; its per-token inter-token
+# latency histogram has no pagedserve equivalent.
+VLLM_TWINS = {
+    "num_requests_running": "vllm:num_requests_running",
+    "num_requests_waiting": "vllm:num_requests_waiting",
+    "kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+    "num_preemptions": "vllm:num_preemptions",
+    "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
+    "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+}
 
 
 class EngineStatsCollector(Collector):
@@ -71,28 +94,83 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
 
 
-class ServerMetrics:
-    """The app's registry: the engine collector plus per-request latency histograms."""
+class VllmTwinCollector(Collector):
+    """Exports the families of `sources`, each one named in `VLLM_TWINS` followed by its
+    twin: the same samples under vLLM's name, labelled `model_name` with the served name.
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    Invariant: a twin is copied from the family object exported beside it, so within a
+    scrape the two carry equal values. No twins while `model_name()` is None (no model).
+    """
+
+    def __init__(self, sources: Sequence[Collector], model_name: Callable[[], str | None]) -> None:
+        self._sources = sources
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        model_name = self._model_name()
+        for source in self._sources:
+            for family in source.collect():
+                yield family
+                twin_name = VLLM_TWINS.get(family.name.removeprefix(PREFIX))
+                if twin_name is not None and model_name is not None:
+                    yield _renamed(family, twin_name, {"model_name": model_name})
+
+
+def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
+    """A copy of `family` named `name`, with `labels` added to every sample; each sample
+    keeps its suffix (`_total`, `_bucket`, `_count`, `_sum`, `_created`)."""
+    twin = Metric(name, family.documentation, family.type, family.unit)
+    twin.samples = [
+        sample._replace(
+            name=name + sample.name.removeprefix(family.name), labels=sample.labels | labels
+        )
+        for sample in family.samples
+    ]
+    return twin
+
+
+class ServerMetrics:
+    """The app's registry: the engine's series and per-request latency histograms, each
+    with its vLLM twin once a model is loaded (see `VllmTwinCollector`)."""
+
+    def __init__(
+        self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str | None]
+    ) -> None:
+        """`stats` is the engine's snapshot and `model_name` the served name, both None
+        until the engine is loaded."""
         self.registry = CollectorRegistry()
-        self.registry.register(EngineStatsCollector(stats))
+        # The histograms join no registry by themselves: the twin collector exports them.
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "From arrival to the first generated token.",
             buckets=TTFT_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self.time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Mean time between generated tokens after the first, per request.",
             buckets=TPOT_BUCKETS,
-            registry=self.registry,
+            registry=None,
         )
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "From arrival to the last token.",
             buckets=E2E_BUCKETS,
+            registry=None,
+        )
+        latencies = (self.time_to_first_token, self.time_per_output_token, self.e2e_request_latency)
+        self.registry.register(
+            VllmTwinCollector([EngineStatsCollector(stats), *latencies], model_name)
+        )
+        # Admission control (server/admission.py); pagedserve's own, with no vLLM twin.
+        self.requests_rejected = Counter(
+            PREFIX + "requests_rejected",
+            "Requests refused with a 429 because too many sequences were queued.",
+            registry=self.registry,
+        )
+        self.requests_timed_out = Counter(
+            PREFIX + "requests_timed_out",
+            "Requests failed with a 504 because their deadline passed, queued or running.",
             registry=self.registry,
         )
 

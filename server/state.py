@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import Request
 
+from server.admission import Admission, max_queued
 from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError
@@ -28,12 +29,27 @@ class ServerState:
     load_error: BaseException | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
+    admission: Admission = field(init=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.engine_stats)
+        self.metrics = ServerMetrics(self.engine_stats, self.loaded_model_name)
+        self.admission = Admission(
+            max_queued(self.config),
+            self.config.max_num_seqs,
+            self.engine_waiting,
+            self.metrics.requests_rejected.inc,
+        )
 
     def engine_stats(self) -> EngineStats | None:
         return None if self.llm is None else self.llm.stats()
+
+    def engine_waiting(self) -> int:
+        """Sequences the engine's scheduler holds waiting (0 while it loads)."""
+        return 0 if self.llm is None else self.llm.stats().num_waiting
+
+    def loaded_model_name(self) -> str | None:
+        """`model_name` once the engine is loaded, else None."""
+        return None if self.llm is None else self.model_name
 
     def ready_llm(self) -> AsyncLLM:
         """The engine, or a 503 while it loads, after it failed to load, or once it died."""

@@ -9,7 +9,7 @@ itself, so the engine generators inside are closed and their requests aborted at
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 from pydantic import BaseModel
@@ -30,13 +30,22 @@ class SSEResponse(StreamingResponse):
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(
+        self, events: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None
+    ) -> None:
+        """`on_close` runs once the response is over, however it ended (even when the
+        generator never started, so its own `finally` never ran)."""
         # Proxies must not buffer a token stream.
         super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         self._events = events
+        self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._events.aclose()
+            try:
+                await self._events.aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
