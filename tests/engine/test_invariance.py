@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 # A shared system-like opening (three full KV blocks) with distinct endings, so that the
 # prefix cache has something to hit and the prompts differ in length.
 OPENING = "You are a careful assistant. Answer briefly and precisely, in plain words. " * 2
-PROMPTS = [f"{OPENING}Write one sentence about the number {i}." for i in range(24)]
+PROMPTS = [f"{OPENING}Write one sentence about the number {i}." for i in range(16)]
 PARAMS = SamplingParams(temperature=0, max_tokens=16, logprobs=1, ignore_eos=True)
 
 Result = list[tuple[list[int], list[float]]]

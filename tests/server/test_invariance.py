@@ -28,7 +28,7 @@ def request(prompt: str) -> dict[str, object]:
     return {
         "model": "SmolLM2-135M-Instruct",
         "messages": [{"role": "user", "content": prompt}],
-        "max_tokens": 32,
+        "max_tokens": 20,
         "temperature": 0,
         "logprobs": True,
     }
