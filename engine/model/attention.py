@@ -53,15 +53,10 @@ def paged_attention_forward(
     Attention runs through `kernel` when one is bound and supports the tensors, else in
     torch: blockwise on the CPU, gathered elsewhere.
     """
-    if paged_metadata is None:
-        raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
-    meta = paged_metadata
+    meta, scale, k_cache, v_cache = _layer_inputs(module, query, scaling, paged_metadata)
     if meta.positions_host is None:
         raise RuntimeError("a step without host-side lengths (a decode graph) needs Triton")
     num_kv_heads, head_dim = key.shape[1], query.shape[3]
-    scale = scaling if scaling is not None else head_dim**-0.5
-
-    k_cache, v_cache = meta.kv_cache[module.layer_idx]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
         0, meta.slot_mapping, key[0].transpose(0, 1)
     )
@@ -95,12 +90,7 @@ def triton_attention_forward(
     the attention read only device tensors, so a whole forward can be captured in a graph."""
     from engine.model.kernels import triton_attention
 
-    if paged_metadata is None:
-        raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
-    meta = paged_metadata
-    head_dim = query.shape[3]
-    scale = scaling if scaling is not None else head_dim**-0.5
-    k_cache, v_cache = meta.kv_cache[module.layer_idx]
+    meta, scale, k_cache, v_cache = _layer_inputs(module, query, scaling, paged_metadata)
     triton_attention.store_kv(
         key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
     )
@@ -115,6 +105,21 @@ def triton_attention_forward(
         meta.max_query_len,
     )
     return out.unsqueeze(0), None
+
+
+def _layer_inputs(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    scaling: float | None,
+    paged_metadata: PagedAttentionMetadata | None,
+) -> tuple[PagedAttentionMetadata, float, torch.Tensor, torch.Tensor]:
+    """What every implementation starts from: the step's metadata, the softmax scale (the
+    model's, else 1/sqrt(head_dim)) and this layer's K and V caches."""
+    if paged_metadata is None:
+        raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
+    scale = scaling if scaling is not None else query.shape[3] ** -0.5
+    k_cache, v_cache = paged_metadata.kv_cache[module.layer_idx]
+    return paged_metadata, scale, k_cache, v_cache
 
 
 def register_paged_attention(
