@@ -205,3 +205,14 @@ def test_tool_requests_that_cannot_hold_are_a_400(server: str) -> None:
         assert response.status_code == 400, (extra, response.text)
         error = response.json()["error"]
         assert error["param"] is not None and error["param"].startswith(param), (extra, error)
+
+
+def test_logit_bias_bans_and_forces_on_the_default_model(api: openai.OpenAI, server: str) -> None:
+    ask = dict(model=MODEL, messages=ASK_WEATHER, max_tokens=3, temperature=0, logprobs=True)
+    first = api.chat.completions.create(**ask).choices[0].logprobs.content[0].token
+    [first_id] = httpx.post(f"{server}/tokenize", json={"prompt": first}).json()["tokens"]
+    banned = api.chat.completions.create(**ask, logit_bias={str(first_id): -100})
+    assert banned.choices[0].logprobs.content[0].token != first
+    [forced_id] = httpx.post(f"{server}/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    forced = api.chat.completions.create(**ask, logit_bias={str(forced_id): 100})
+    assert forced.choices[0].message.content == " banana" * 3
