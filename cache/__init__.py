@@ -3,6 +3,7 @@
 from cache.block import KVCacheBlock, cdiv
 from cache.block_hash import extend_block_hashes, hash_block
 from cache.block_manager import AllocStatus, BlockManager
+from cache.block_map import BlockState
 from cache.free_queue import FreeBlockQueue
 from cache.profiling import (
     InsufficientKVCacheError,
@@ -17,6 +18,7 @@ from cache.stats import CacheStats
 __all__ = [
     "AllocStatus",
     "BlockManager",
+    "BlockState",
     "CacheStats",
     "FreeBlockQueue",
     "InsufficientKVCacheError",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from cache.block import KVCacheBlock, cdiv
 from cache.block_hash import extend_block_hashes
+from cache.block_map import block_map
 from cache.free_queue import FreeBlockQueue
 from cache.stats import CacheStats
 
@@ -240,6 +241,14 @@ class BlockManager:
         for seq in self._seqs.values():
             seq.num_hashed = 0
             seq.prefix_id = _EMPTY_PREFIX
+
+    def block_map(self) -> str:
+        """Every block's `BlockState` character, by block id; O(num_blocks).
+
+        Invariants, read against `stats()` at the same moment: the map's USED and SHARED
+        characters number `used_blocks`, its CACHED ones `cached_blocks`.
+        """
+        return block_map(self._blocks)
 
     def stats(self) -> CacheStats:
         num_free = len(self._free)

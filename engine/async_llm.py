@@ -6,8 +6,9 @@ lowered CPU priority; the engine thread owns the engine and all torch work. A
 100k-character prompt takes the intake about 0.1 s of CPU, and streams keep flowing
 meanwhile. The event loop never touches engine state: `generate` posts commands on a
 queue that the engine thread drains before each step, and the thread posts each
-request's outputs back to that request's asyncio queue. While no request is unfinished
-the thread sleeps on the command queue.
+request's outputs back to that request's asyncio queue; a `snapshot` is a command too,
+answered between two steps. While no request is unfinished the thread sleeps on the
+command queue.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import os
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -30,6 +31,7 @@ from engine.llm_engine import EngineStats, LLMEngine
 from engine.outputs import RequestOutput
 from engine.request.intake import EngineRequest, Message, Prompt, RequestProcessor
 from engine.sampling.params import SamplingParams
+from engine.snapshot import EngineSnapshot
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,11 @@ class _Abort:
     request_id: str
 
 
+@dataclass(slots=True)
+class _Snapshot:
+    reply: Future[EngineSnapshot]
+
+
 class _Stop:
     pass
 
@@ -71,8 +78,10 @@ class _Stop:
 class AsyncLLM:
     """Serves many concurrent `generate` calls from one `LLMEngine`.
 
-    Invariant: every request id in `_streams` has been or will be added to the engine, and
+    Invariants: every request id in `_streams` has been or will be added to the engine, and
     its stream is removed when its consumer stops, which aborts it if it is unfinished.
+    Every `_Snapshot` command gets its reply: queued before the engine loop ends, it is
+    answered or failed; after, `_answering` is False and none is queued.
     """
 
     engine: LLMEngine  # set by the engine thread before it reports the engine loaded
@@ -87,7 +96,9 @@ class AsyncLLM:
         its workers to wake up (a 2-core decode step took 1.3-1.6x as long). The intake
         thread runs no torch.
         """
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | _Stop] = queue.SimpleQueue()
+        self._answering = True
+        self._answering_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._failure: BaseException | None = None
         loaded: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
@@ -128,6 +139,20 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    async def snapshot(self) -> EngineSnapshot:
+        """The engine's state between two steps (`LLMEngine.snapshot`), taken on the engine
+        thread before its next step, or at once when it is idle; the event loop waits.
+
+        Consistent because the one thread that changes the engine takes it, and it costs
+        that thread O(num_kv_blocks). Raises EngineError once the engine loop has ended.
+        """
+        reply: Future[EngineSnapshot] = Future()
+        with self._answering_lock:
+            if not self._answering:
+                raise EngineError("the engine is not running")
+            self._commands.put(_Snapshot(reply))
+        return await asyncio.wrap_future(reply)
 
     async def process(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Tokenize and validate a prompt on the intake thread; ValueError if invalid."""
@@ -222,6 +247,8 @@ class AsyncLLM:
             self._failure = exc
             for request_id in list(self._streams):
                 self._deliver(request_id, exc)
+        finally:
+            self._stop_answering()
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop."""
@@ -235,8 +262,34 @@ class AsyncLLM:
                 return False
             if isinstance(command, _Abort):
                 self.engine.abort_request(command.request_id)
+            elif isinstance(command, _Snapshot):
+                self._answer(command.reply)
             elif command.request_id in self._streams:
                 self.engine.add_request(command.request_id, command.request)
+
+    def _answer(self, reply: Future[EngineSnapshot]) -> None:
+        # A caller that went away has cancelled its reply. A snapshot is only a view: its
+        # failure fails its caller, not the engine loop.
+        if not reply.set_running_or_notify_cancel():
+            return
+        try:
+            snapshot = self.engine.snapshot()
+        except Exception as exc:
+            reply.set_exception(exc)
+        else:
+            reply.set_result(snapshot)
+
+    def _stop_answering(self) -> None:
+        """Refuse snapshots from now on and fail those still queued (the loop has ended)."""
+        with self._answering_lock:
+            self._answering = False
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, _Snapshot) and command.reply.set_running_or_notify_cancel():
+                command.reply.set_exception(EngineError("the engine is not running"))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

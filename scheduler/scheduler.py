@@ -139,6 +139,18 @@ class Scheduler:
     def cache_stats(self) -> CacheStats:
         return self.block_manager.stats()
 
+    def block_map(self) -> str:
+        """Every KV block's state (see `cache.BlockState`), one character each."""
+        return self.block_manager.block_map()
+
+    def running(self) -> list[Sequence]:
+        """The running sequences in admission order (a new list)."""
+        return list(self._running.values())
+
+    def waiting(self) -> list[Sequence]:
+        """The waiting sequences in the order they will be admitted (a new list)."""
+        return list(self._waiting)
+
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache registration (after a step whose K/V may be unwritten)."""
         self.block_manager.reset_prefix_cache()

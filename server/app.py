@@ -3,7 +3,7 @@ lifetime.
 
 The engine loads in a background task started by the lifespan, so the server answers
 (with 503s, /health included) while a model loads for seconds or minutes; the lifespan's
-exit shuts the engine down.
+exit shuts the engine down. Another of its tasks records the dashboard's history.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, info, tokenization
+from server import chat, completions, dashboard, info, tokenization
 from server.config import ServeConfig
 from server.errors import install_error_handlers
 from server.request_id import RequestIdMiddleware
@@ -42,9 +42,11 @@ def build_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
+        recording = asyncio.create_task(state.history.run())
         try:
             yield
         finally:
+            recording.cancel()
             # A load in progress cannot be interrupted; let it finish so its engine
             # thread can be stopped rather than leaked.
             await loading
@@ -60,6 +62,8 @@ def build_app(
     app.include_router(completions.router)
     app.include_router(chat.router)
     app.include_router(tokenization.router)
+    app.include_router(dashboard.page_router)
+    app.include_router(dashboard.data_router)
     return app
 
 

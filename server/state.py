@@ -1,4 +1,5 @@
-"""What the request handlers of one app share: settings, metrics and the engine."""
+"""What the request handlers of one app share: settings, metrics, the dashboard's history
+and the engine."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from server.admission import Admission, max_queued
 from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError
+from server.history import StatsHistory
 from server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -30,6 +32,7 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
+    history: StatsHistory = field(init=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats, self.loaded_model_name)
@@ -39,6 +42,7 @@ class ServerState:
             self.engine_waiting,
             self.metrics.requests_rejected.inc,
         )
+        self.history = StatsHistory(self.engine_stats, self.metrics.time_to_first_token)
 
     def engine_stats(self) -> EngineStats | None:
         return None if self.llm is None else self.llm.stats()

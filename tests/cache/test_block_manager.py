@@ -113,6 +113,18 @@ def test_shared_prefix_freed_by_one_sequence_stays_cached_for_the_other() -> Non
     assert bm.block_table("c")[:2] == shared and [_ref(bm, i) for i in shared] == [2, 2]
 
 
+def test_block_map_tells_free_cached_used_and_shared_blocks_apart() -> None:
+    bm = BlockManager(6, BS, watermark=0)
+    prompt = _tokens(10)
+    _run(bm, "a", prompt)  # blocks 0 and 1 full and registered, 2 partial
+    assert bm.block_map() == "uuufff"
+    bm.allocate("b", [*prompt[:8], 77])  # shares 0 and 1, takes 3
+    assert bm.block_map() == "ssuuff"
+    bm.free("a")
+    bm.free("b")
+    assert bm.block_map() == "ccffff"
+
+
 def test_forced_hash_collision_is_detected_and_not_shared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -21,7 +21,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from cache import AllocStatus, BlockManager
+from cache import AllocStatus, BlockManager, BlockState
 
 # Prompts that often start alike, and only two token values, make prefix hits, duplicate
 # blocks and (with the weak hash) collisions frequent.
@@ -184,6 +184,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         assert stats.cached_blocks == free_cached
         assert stats.usage == stats.used_blocks / stats.num_blocks
         assert 0 <= stats.prefix_hits <= stats.prefix_queries
+
+    @invariant()
+    def block_map_agrees(self) -> None:
+        bm = self.bm
+        states = bm.block_map()
+        assert len(states) == bm.num_blocks
+        for block, state in zip(bm._blocks, states, strict=True):
+            if block.ref_count:
+                assert state == (BlockState.USED if block.ref_count == 1 else BlockState.SHARED)
+            else:
+                assert state == (BlockState.FREE if block.block_hash is None else BlockState.CACHED)
+        stats = bm.stats()
+        assert states.count(BlockState.USED) + states.count(BlockState.SHARED) == stats.used_blocks
+        assert states.count(BlockState.CACHED) == stats.cached_blocks
 
     def teardown(self) -> None:
         if not hasattr(self, "bm"):
