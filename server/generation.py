@@ -43,8 +43,8 @@ async def generate(
     deadline: Deadline | None = None,
 ) -> AsyncGenerator[tuple[int, RequestOutput, RequestOutput], None]:
     """Yield `(prompt index, output, whole)` as any prompt progresses: `output` holds the
-    deltas, `whole` that prompt's output so far. Records finished requests' latencies and
-    their sequences for the drain rate.
+    deltas, `whole` that prompt's output so far. Records each prompt's TTFT at its first
+    token, finished requests' other latencies, and their sequences for the drain rate.
 
     Closing this generator aborts every prompt's engine request that has not finished. So
     does `deadline` passing while it waits for the engine; it then raises the 504 of
@@ -53,6 +53,7 @@ async def generate(
     """
     streams = [llm.generate(request, f"{request_id}-{i}") for i, request in enumerate(requests)]
     wholes: dict[int, RequestOutput] = {}
+    first_tokens: set[int] = set()  # the prompts whose TTFT is recorded
     async with aclosing(merge_streams(streams)) as merged:
         while True:
             try:
@@ -69,6 +70,9 @@ async def generate(
                 whole = wholes[index] = output.copy()
             else:
                 whole.add(output)
+            if index not in first_tokens and whole.metrics.first_token_time is not None:
+                first_tokens.add(index)
+                state.metrics.observe_first_token(whole)
             if output.finished:
                 state.metrics.observe_finished(whole)
                 state.admission.record_finished(len(whole.outputs))

@@ -174,15 +174,22 @@ class ServerMetrics:
             registry=self.registry,
         )
 
+    def observe_first_token(self, output: RequestOutput) -> None:
+        """Record a request's TTFT when its first token arrives (as vLLM does), so requests
+        still streaming, or abandoned later, count too; call once per request."""
+        times = output.metrics
+        if times.first_token_time is not None:
+            self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
+
     def observe_finished(self, output: RequestOutput) -> None:
-        """Record a finished request's latencies (all n samples decode side by side)."""
+        """Record a finished request's end-to-end latency and its mean time per output token
+        (all n samples decode side by side)."""
         times = output.metrics
         if times.finished_time is None:
             return
         self.e2e_request_latency.observe(times.finished_time - times.arrival_time)
         if times.first_token_time is None:
             return
-        self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
         longest = max(len(completion.token_ids) for completion in output.outputs)
         if longest > 1:
             decode_time = times.finished_time - times.first_token_time

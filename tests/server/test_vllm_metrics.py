@@ -104,7 +104,15 @@ def test_vllm_series_move_with_requests_and_agree_with_their_twins(tiny_server: 
     )
     with api.completions.create(model="tiny", prompt=prompt, stream=True, **options) as stream:
         next(iter(stream))
-        assert_twins_agree(scrape(tiny_server))  # also while a request runs
+        during = scrape(tiny_server)
+        assert_twins_agree(during)  # also while a request runs
+
+        def counted(name: str) -> float:
+            return during[name + "_count"][MODEL] - before[name + "_count"][MODEL]
+
+        # TTFT is observed at a request's first token, the others when it finishes.
+        assert counted("vllm:time_to_first_token_seconds") == 4
+        assert counted("vllm:e2e_request_latency_seconds") == 3
         for _ in stream:
             pass
     after = scrape(tiny_server)
