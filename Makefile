@@ -6,6 +6,8 @@ STAMP := $(VENV)/.setup-done
 HOST ?= 127.0.0.1
 PORT ?= 8000
 CONFIG ?= configs/default.yaml
+# `make bench`: extra bench.run_all flags; LLAMA_SERVER=BINARY adds llama.cpp's server
+BENCH_ARGS ?=
 
 .PHONY: setup serve test lint bench clean
 
@@ -33,7 +35,7 @@ lint: setup
 	$(BIN)/mypy
 
 bench: setup
-	$(BIN)/python -m bench.run_all
+	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .mypy_cache .hypothesis

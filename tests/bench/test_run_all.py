@@ -9,7 +9,17 @@ import pytest
 import torch
 
 from bench import throughput
-from bench.run_all import GPU_THROUGHPUT_FLAGS, comparison, main, parse_args, throughput_flags
+from bench.llama_server import llama_server_command
+from bench.run_all import (
+    DEFAULT_VARIANT,
+    GPU_THROUGHPUT_FLAGS,
+    comparison,
+    main,
+    parse_args,
+    side_by_side,
+    throughput_flags,
+)
+from engine.model.loader import default_gguf_path
 
 
 def test_serving_overhead_is_taken_against_offline_at_matched_concurrency() -> None:
@@ -70,3 +80,69 @@ def test_gpu_suite_refuses_without_cuda(monkeypatch: pytest.MonkeyPatch, tmp_pat
     with pytest.raises(SystemExit, match="--suite gpu needs a CUDA GPU"):
         main(["--suite", "gpu", "--out", str(out)])
     assert not out.exists()  # refused before any run
+
+
+def test_serve_variants_and_the_llama_server_peer_are_parsed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.delenv("LLAMA_SERVER", raising=False)
+    args = parse_args([])
+    assert args.serve_variant == [DEFAULT_VARIANT] and args.llama_server is None
+    args = parse_args(["--serve-variant", "eager=", "--serve-variant", "int8=--quantization int8"])
+    assert args.serve_variant == [("eager", []), ("int8", ["--quantization", "int8"])]
+    monkeypatch.setenv("LLAMA_SERVER", "/opt/llama-server")
+    assert parse_args([]).llama_server == Path("/opt/llama-server")
+    for bad in (
+        ["--serve-variant", "no-equals-sign"],
+        ["--serve-variant", "a=", "--serve-variant", "a=-x"],
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_llama_server_serves_the_default_models_own_gguf() -> None:
+    command = llama_server_command(Path("/bin/llama-server"), 8123)
+    model = Path(command[command.index("-m") + 1])
+    assert model == default_gguf_path() and model.suffix == ".gguf"
+    assert command[command.index("--port") + 1] == "8123"
+    assert command[command.index("--host") + 1] == "127.0.0.1"
+
+
+def test_servers_side_by_side() -> None:
+    def report(tps: list[float], tpot: float, ttft: float | None) -> dict:
+        levels = [
+            {
+                "concurrency": c,
+                "output_throughput": t,
+                "tpot_ms": {"p50": tpot},
+                "ttft_ms": {"p50": ttft},
+            }
+            for c, t in zip((1, 8, 32), tps, strict=True)
+        ]
+        return {"levels": levels[::-1]}  # any order
+
+    table = side_by_side(
+        [
+            ("pagedserve", "", report([50, 300, 560], 18.0, 1000.0)),
+            ("llama-server", "", report([97.5, 157, 173], 8.5, None)),
+        ]
+    ).splitlines()
+    assert table[0].split() == [
+        "server",
+        "c=1",
+        "tok/s",
+        "c=8",
+        "tok/s",
+        "c=32",
+        "tok/s",
+        "TPOT",
+        "p50",
+        "c=1",
+        "ms",
+        "TTFT",
+        "p50",
+        "c=32",
+        "ms",
+    ]
+    assert table[2].split() == ["pagedserve", "50.0", "300.0", "560.0", "18.0", "1000.0"]
+    assert table[3].split() == ["llama-server", "97.5", "157.0", "173.0", "8.5", "-"]
