@@ -19,7 +19,7 @@ from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
 from server.admission import Deadline, request_deadline
 from server.auth import require_api_key
-from server.chat_tools import ChatTools, ToolSyntax, conversation
+from server.chat_tools import ChatTools, ToolSyntax, template_inputs
 from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.errors import request_id as http_request_id
@@ -75,11 +75,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
         if forced_call is not None:
             params = dataclasses.replace(params, structured_outputs=forced_call)
-        messages = conversation(body.messages, syntax, tools)
+        messages, template_tools = template_inputs(body, syntax, tools)
         try:
-            prompt = await llm.process_chat(
-                messages, params, tools.for_template(syntax) if tools is not None else None
-            )
+            prompt = await llm.process_chat(messages, params, template_tools)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc
     chat = _Chat(state, llm, body, prompt, syntax, tools, deadline)

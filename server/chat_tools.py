@@ -118,6 +118,16 @@ def conversation(
     return rendered
 
 
+def template_inputs(
+    body: ChatCompletionRequest, syntax: ToolSyntax, tools: ChatTools | None
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """The messages and the `tools` argument the chat template renders for `body`: what
+    `/v1/chat/completions` tokenizes, so anything that predicts its prompt (the scale-out
+    router) renders the same tokens."""
+    template_tools = tools.for_template(syntax) if tools is not None else None
+    return conversation(body.messages, syntax, tools), template_tools
+
+
 def _message(message: ChatMessage, syntax: ToolSyntax | None) -> dict[str, Any]:
     text = message.text()
     result: dict[str, Any] = {"role": message.role, "content": text}

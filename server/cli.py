@@ -12,7 +12,7 @@ import contextlib
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NoReturn, get_args, get_origin
 
 import uvicorn
@@ -45,14 +45,53 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=f"Without --config and --model the default preset applies: {preset}.",
         allow_abbrev=False,
     )
-    serve.add_argument("--config", metavar="FILE", help="a YAML file of settings")
+    _add_settings(serve)
+    ray_serve = commands.add_parser(
+        "ray-serve",
+        help="serve the model from several engine replicas on Ray Serve",
+        description="Serve the model from several engine replicas behind one "
+        "OpenAI-compatible HTTP endpoint, on Ray Serve: a local Ray cluster, or the one "
+        "RAY_ADDRESS names. Needs Ray (pip install 'pagedserve[ray]'). Each replica gets "
+        "the settings below.",
+        epilog=f"Without --config and --model the default preset applies: {preset}.",
+        allow_abbrev=False,
+    )
+    _add_settings(ray_serve)
+    ray_serve.add_argument(
+        "--replicas", type=_number(int, positive=True), default=2, help="default: 2"
+    )
+    ray_serve.add_argument(
+        "--replica-cpus",
+        type=_number(float, positive=True),
+        metavar="CPUS",
+        help="CPUs (and torch threads) per replica; default: the cluster's CPUs / replicas",
+    )
+    ray_serve.add_argument(
+        "--replica-gpus",
+        type=_number(float, positive=False),
+        metavar="GPUS",
+        help="GPUs per replica; default: 1 with device cuda, else 0",
+    )
+    ray_serve.add_argument(
+        "--routing",
+        choices=("prefix", "pow2"),
+        default="prefix",
+        help="prefix: to the replica holding the prompt's prefix blocks, unless load is "
+        "unbalanced; pow2: Ray Serve's power of two choices; default: prefix",
+    )
+    return parser
+
+
+def _add_settings(parser: argparse.ArgumentParser) -> None:
+    """--config and one flag per ServeConfig setting."""
+    parser.add_argument("--config", metavar="FILE", help="a YAML file of settings")
     for name, info in ServeConfig.model_fields.items():
         flag = "--" + name.replace("_", "-")
         help_text = info.description or ""
         if info.default is not None and "default" not in help_text:
             help_text = f"{help_text}; default: {info.default}".lstrip("; ")
         if info.annotation is bool:
-            serve.add_argument(
+            parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )
             continue
@@ -62,8 +101,20 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             options["metavar"] = name.upper()
         # Values stay strings; ServeConfig validates and converts them, like YAML values.
-        serve.add_argument(flag, **options)
-    return parser
+        parser.add_argument(flag, **options)
+
+
+def _number(kind: Callable[[str], float], *, positive: bool) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, above 0 if `positive`, else at least 0."""
+
+    def convert(text: str) -> float:
+        value = kind(text)
+        if value < 0 or (positive and value == 0):
+            raise ValueError(text)
+        return value
+
+    convert.__name__ = getattr(kind, "__name__", "number")  # argparse names it in errors
+    return convert
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -85,6 +136,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         resolve_model_folder(config.model)
     except ModelLoadError as exc:
         return _usage_error(exc)
+    if args.command == "ray-serve":
+        # The one place the server reaches up into the scale-out layer: its command line.
+        try:
+            from scale_out.launch import ScaleOut, serve_replicas
+        except ModuleNotFoundError as exc:
+            if exc.name != "ray":
+                raise
+            return _usage_error(ImportError("ray-serve needs Ray: pip install 'pagedserve[ray]'"))
+
+        scale_out = ScaleOut(args.replicas, args.replica_cpus, args.replica_gpus, args.routing)
+        return serve_replicas(config, scale_out)
     return serve(config)
 
 
