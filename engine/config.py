@@ -48,6 +48,9 @@ class EngineConfig(BaseModel):
     # false: decode steps replay CUDA graphs captured per batch-size bucket at start-up
     # (needs attention_backend 'triton'). True by default until it has run on a GPU here.
     enforce_eager: bool = True
+    # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py):
+    # faster decode at small batches, at some quality; see the README's "Quantization".
+    quantization: Literal["none", "int8"] = "none"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
@@ -59,6 +62,15 @@ class EngineConfig(BaseModel):
             raise ValueError(
                 "enforce_eager false (decode graphs) needs attention_backend 'triton': "
                 "the other attention paths read host-side lengths"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _quantization_is_cpu_only(self) -> EngineConfig:
+        if self.quantization != "none" and self.device == "cuda":
+            raise ValueError(
+                f"quantization '{self.quantization}' runs on the CPU only: it uses PyTorch's "
+                "CPU kernel for int8 weights"
             )
         return self
 

@@ -15,6 +15,7 @@ from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
+from engine.model.quantized_linear import can_quantize, max_kernel_rows, quantize_linear_layers
 from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
@@ -64,6 +65,12 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        mode = config.quantization
+        if mode != "none" and not can_quantize(self.device, self.dtype, mode):
+            raise ConfigError(
+                f"quantization '{mode}' needs the CPU, float32 or bfloat16 and torch's {mode} CPU "
+                f"kernel (float32 also oneDNN); this engine runs {self.dtype} on {self.device}"
+            )
         loaded = load_model(
             config.model,
             dtype=self.dtype,
@@ -78,6 +85,9 @@ class LLMEngine:
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        if mode != "none":
+            # The packing below takes plain `nn.Linear`s only: it leaves these alone.
+            quantize_linear_layers(self.model, mode, max_kernel_rows(self.dtype))
         if can_pack(self.device, self.dtype):
             pack_linear_layers(self.model)
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
