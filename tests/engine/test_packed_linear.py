@@ -14,7 +14,13 @@ from transformers import AutoModelForCausalLM
 
 import engine.llm_engine
 from engine import LLM, SamplingParams
-from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from engine.model.packed_linear import (
+    MIN_ROWS,
+    PackedLinear,
+    can_pack,
+    pack_linear_layers,
+    padded_rows,
+)
 
 CPU = torch.device("cpu")
 requires_bf16_packing = pytest.mark.skipif(
@@ -86,6 +92,37 @@ def test_fp32_packing_stays_close_to_f_linear_and_keeps_shapes():
             out = packed(x)
             assert out.shape == (*x.shape[:-1], 160)
             torch.testing.assert_close(out, F.linear(x, linear.weight, linear.bias))
+
+
+def test_row_counts_are_padded_to_few_shapes_at_little_cost():
+    """oneDNN keeps a primitive per input shape: every row count of a step up to 1,024
+    must map to few shapes (so the caches never evict), each at most 1/8 larger."""
+    assert len({padded_rows(rows) for rows in range(1, 1025)}) == 63
+    for rows in range(1, 5000):
+        padded = padded_rows(rows)
+        assert max(rows, MIN_ROWS) <= padded < max(rows * 9 / 8, MIN_ROWS + 1)
+        assert padded_rows(padded) == padded
+
+
+def test_a_call_runs_at_its_padded_row_count_and_returns_its_own_rows():
+    if not can_pack(CPU, torch.float32):
+        pytest.skip("oneDNN is not available")
+    packed = PackedLinear(nn.Linear(64, 48))
+    computed: list[int] = []
+    linear = packed._linear
+
+    def recording(x: torch.Tensor) -> torch.Tensor:
+        computed.append(x.numel() // 64)
+        return linear(x)
+
+    packed._linear = recording  # type: ignore[method-assign]
+    x = torch.randn(1, 17, 64)
+    with torch.inference_mode():
+        out = packed(x)
+        alone = packed(x[0, :16])
+    assert computed == [18, 16]
+    assert out.shape == (1, 17, 48)
+    assert torch.equal(out[0, :16], alone)  # rows keep their bits whatever the padding
 
 
 @requires_bf16_packing
