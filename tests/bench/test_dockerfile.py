@@ -1,8 +1,10 @@
 """The Dockerfile's own commands, outside a container: pins, settings, CMD and HEALTHCHECK.
 
 The container itself is built and run by hand (README "Docker"); these tests keep the
-Dockerfile's commands in step with the code: the CMD, with the image's environment and
-baked-in config, starts a server that the HEALTHCHECK command reports healthy.
+Dockerfile's commands in step with the code: a plain build takes the CPU build of torch,
+the CMD, with the image's environment and baked-in config, starts a server that the
+HEALTHCHECK command reports healthy, and what the image leaves out (a compiler, the
+default model's GGUF) is not needed by what it runs.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ import httpx
 import pytest
 
 from bench.tables import free_port
+from engine.errors import ModelLoadError
+from engine.model import loader
 from server.config import resolve_serve_config
 
 ROOT = Path(__file__).parents[2]
 IMAGE_CONFIG = "/etc/pagedserve/config.yaml"
 START_TIMEOUT = 90.0
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -41,6 +46,42 @@ def instructions() -> list[tuple[str, str]]:
 
 def arguments(name: str) -> list[str]:
     return [rest for keyword, rest in instructions() if keyword == name]
+
+
+def stage(name: str) -> list[tuple[str, str]]:
+    """The instructions of the stage `FROM ... AS name`, without its FROM."""
+    found: list[tuple[str, str]] | None = None
+    for keyword, rest in instructions():
+        if keyword == "FROM":
+            if found is not None:
+                break
+            if rest.lower().endswith(f" as {name}"):
+                found = []
+        elif found is not None:
+            found.append((keyword, rest))
+    assert found is not None, f"no stage named {name}"
+    return found
+
+
+def dockerignore_admits(path: str) -> bool:
+    """Whether .dockerignore lets `path` into the build context: the last pattern that
+    matches the path or one of its parent folders decides, `!` patterns admitting."""
+    admitted = True
+    for line in (ROOT / ".dockerignore").read_text().splitlines():
+        pattern = line.strip()
+        if not pattern or pattern.startswith("#"):
+            continue
+        negated = pattern.startswith("!")
+        pattern = pattern.lstrip("!").strip("/")
+        regex = "".join(
+            ".*" if part == "**" else re.escape(part).replace(r"\*", "[^/]*").replace(r"\?", "[^/]")
+            for part in re.split(r"(\*\*)", pattern)
+        )
+        parts = path.split("/")
+        prefixes = ("/".join(parts[:end]) for end in range(1, len(parts) + 1))
+        if any(re.fullmatch(regex, prefix) for prefix in prefixes):
+            admitted = negated
+    return admitted
 
 
 def build_arg(name: str) -> str:
@@ -73,18 +114,68 @@ def torch_install(wheels: list[str], index_url: str, build: Path) -> str:
 
 
 def test_a_plain_build_installs_the_cpu_build_of_torch(tmp_path: Path) -> None:
-    cpu_index = "https://download.pytorch.org/whl/cpu"
-    assert build_arg("TORCH_INDEX_URL") == cpu_index
-    assert torch_install([], cpu_index, tmp_path) == (
-        f"pip install --index-url {cpu_index} torch==2.13.0"
+    # The default index, which serves the CUDA build on Linux (a 6 GB image), is what
+    # `docker build .` would get with this argument changed or emptied.
+    assert build_arg("TORCH_INDEX_URL") == CPU_INDEX
+    # Declared in the stage that installs torch (an ARG before FROM would not reach it).
+    builder_args = [rest for keyword, rest in stage("builder") if keyword == "ARG"]
+    assert f"TORCH_INDEX_URL={CPU_INDEX}" in builder_args
+    assert torch_install([], CPU_INDEX, tmp_path) == (
+        f"pip install --index-url {CPU_INDEX} torch==2.13.0"
     )
     # A wheel in wheels/ wins over any index; an empty index means the default index.
     wheel = "torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl"
-    assert torch_install([wheel], cpu_index, tmp_path) == (
+    assert torch_install([wheel], CPU_INDEX, tmp_path) == (
         f"pip install --find-links {tmp_path} torch==2.13.0"
     )
     (tmp_path / wheel).unlink()
     assert torch_install([], "", tmp_path) == "pip install torch==2.13.0"
+
+
+def test_the_build_context_takes_a_wheel_from_wheels_and_leaves_the_rest_out() -> None:
+    assert any(rest.startswith("pyproject.toml wheel[s] ") for rest in arguments("COPY"))
+    assert dockerignore_admits("wheels/torch-2.13.0+cpu-cp311-cp311-linux_x86_64.whl")
+    assert dockerignore_admits("engine/model/loader.py")
+    for left_out in (".venv/bin/python", "tests/conftest.py", "engine/__pycache__/x.pyc"):
+        assert not dockerignore_admits(left_out)
+
+
+def test_torch_headers_go_only_after_the_kernel_is_built() -> None:
+    runs = [rest for keyword, rest in stage("builder") if keyword == "RUN"]
+    kernel_build = next(i for i, rest in enumerate(runs) if "load_attention_kernel" in rest)
+    trim = next(i for i, rest in enumerate(runs) if "torch/include" in rest)
+    assert kernel_build < trim
+
+
+def test_structured_outputs_run_without_a_compiler_in_the_image_environment() -> None:
+    """llguidance masks logits through torch.compile, which needs a C++ compiler that the
+    runtime image has not; the image's environment runs it eagerly."""
+    script = (
+        "import torch, llguidance.torch as lt\n"
+        "logits = torch.zeros(2, 40)\n"
+        "mask = torch.tensor([[0b101, 0], [-1, 0xFF]], dtype=torch.int32)\n"
+        "lt.apply_token_bitmask_inplace(logits, mask)\n"
+        "allowed = [(row > float('-inf')).nonzero().flatten().tolist() for row in logits]\n"
+        "assert allowed == [[0, 2], list(range(40))], allowed\n"
+    )
+    env = {"PATH": "", "HOME": os.environ.get("HOME", "/tmp"), **image_env()}
+    result = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_the_default_model_converted_into_its_package_is_used_without_the_gguf(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The image's layout: the converted folder next to where the GGUF was."""
+    monkeypatch.setattr(loader, "_default_package", lambda: tmp_path)
+    with pytest.raises(ModelLoadError, match="default model file is missing"):
+        loader.resolve_model_folder("default")
+    prebuilt = loader.prebuilt_default_folder()
+    prebuilt.mkdir()
+    (prebuilt / "config.json").write_text("{}")
+    assert loader.resolve_model_folder("default") == (str(prebuilt), loader.DEFAULT_MODEL_NAME)
 
 
 def test_install_pins_match_the_makefile() -> None:
@@ -143,5 +234,10 @@ def test_cmd_starts_a_server_the_healthcheck_reports_healthy(
         assert response.status_code == 200, response.text
     finally:
         server.send_signal(signal.SIGINT)
-        _, stderr = server.communicate(timeout=30)
+        try:
+            _, stderr = server.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()  # not left running after the test
+            _, stderr = server.communicate()
+            stderr += b"\n(did not stop within 30 s of SIGINT; killed)"
     assert server.returncode == 0, stderr.decode(errors="replace")[-2000:]
