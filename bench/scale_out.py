@@ -265,22 +265,10 @@ def measure(setup: str, url: str, workload: Workload, args: argparse.Namespace) 
 @contextmanager
 def ray_serve(args: argparse.Namespace) -> Iterator[str]:
     """A local Ray cluster with the replicas' CPUs and Serve's proxy on a free port."""
-    import ray
-    from ray import serve
+    from scale_out.launch import local_serve
 
-    ray.init(
-        num_cpus=args.replicas * args.replica_cpus,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(args.replicas * args.replica_cpus, free_port()) as url:
+        yield url
 
 
 def run_replicas(

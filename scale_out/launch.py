@@ -17,6 +17,8 @@ import math
 import os
 import signal
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
@@ -88,6 +90,22 @@ def build_application(config: ServeConfig, scale_out: ScaleOut, cpus_each: float
         ray_actor_options={"num_cpus": 0},
     )
     return ingress.bind(engine.bind(config), config)
+
+
+@contextmanager
+def local_serve(num_cpus: float, port: int) -> Iterator[str]:
+    """A local Ray cluster of `num_cpus` logical CPUs with Serve's HTTP proxy on loopback
+    `port` (its URL); Serve and the cluster are shut down on exit. For tests and
+    benchmarks, which need a quiet cluster of their own."""
+    import ray
+
+    ray.init(num_cpus=num_cpus, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        serve.shutdown()
+        ray.shutdown()
 
 
 def serve_replicas(config: ServeConfig, scale_out: ScaleOut) -> int:

@@ -23,6 +23,7 @@ import httpx
 import pytest
 
 from bench.tables import free_port
+from engine.config import cache_root
 from engine.errors import ModelLoadError
 from engine.model import loader
 from server.config import resolve_serve_config
@@ -196,6 +197,11 @@ def test_cmd_starts_a_server_the_healthcheck_reports_healthy(
     tiny_model_paths: dict[str, Path], tmp_path: Path
 ) -> None:
     port = free_port()
+    # A cache of its own, but the C++ kernel the suite has built (or builds) once: its first
+    # build takes a minute or more on a busy 2-core machine.
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    (tmp_path / "kernels").symlink_to(kernels, target_is_directory=True)
     env = (
         os.environ
         | image_env()
@@ -224,7 +230,9 @@ def test_cmd_starts_a_server_the_healthcheck_reports_healthy(
         deadline = time.monotonic() + START_TIMEOUT
         while subprocess.run(healthcheck, env=env, capture_output=True, timeout=10).returncode:
             if server.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("the server never became healthy")
+                server.kill()
+                log = server.communicate()[1].decode(errors="replace")[-2000:]
+                pytest.fail(f"the server never became healthy:\n{log}")
             time.sleep(0.3)
         response = httpx.post(
             f"http://127.0.0.1:{port}/v1/completions",

@@ -26,22 +26,11 @@ REPLICAS = 2
 @pytest.fixture(scope="session")
 def serve_url() -> Iterator[str]:
     """Ray Serve on a local cluster, its HTTP proxy on a free port; torn down at the end."""
-    ray = pytest.importorskip("ray")
-    from ray import serve
+    pytest.importorskip("ray")
+    from scale_out.launch import local_serve
 
-    ray.init(
-        num_cpus=REPLICAS * REPLICA_CPUS,
-        include_dashboard=False,
-        log_to_driver=False,
-        logging_level="ERROR",
-    )
-    try:
-        port = free_port()
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with local_serve(REPLICAS * REPLICA_CPUS, free_port()) as url:
+        yield url
 
 
 @contextmanager
