@@ -37,11 +37,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.run_all import start_server, stop_server
-from bench.serve import WORDS
+from bench.serve import WORDS, Stats
 from bench.tables import format_table, free_port
 
 CONFIG = Path("configs/default.yaml")
@@ -245,7 +244,7 @@ def measure(setup: str, url: str, workload: Workload, args: argparse.Namespace) 
     for (tenant, _), outcome in zip(workload, outcomes, strict=True):
         if outcome.replica is not None:
             placed.setdefault(tenant, set()).add(outcome.replica)
-    ttfts = [o.ttft * 1000 for o in finished if o.ttft is not None]
+    ttft = Stats.of([o.ttft for o in finished if o.ttft is not None])
     return SetupReport(
         setup=setup,
         requests=len(outcomes),
@@ -253,8 +252,8 @@ def measure(setup: str, url: str, workload: Workload, args: argparse.Namespace) 
         unfinished=sum(1 for o in outcomes if o.error and o.error.startswith("unfinished")),
         errors=sorted({o.error for o in outcomes if o.error})[:3],
         duration_s=duration,
-        ttft_p50_ms=float(np.percentile(ttfts, 50)) if ttfts else None,
-        ttft_p99_ms=float(np.percentile(ttfts, 99)) if ttfts else None,
+        ttft_p50_ms=ttft.p50,
+        ttft_p99_ms=ttft.p99,
         output_tokens_per_s=sum(o.output_tokens for o in finished) / duration,
         requests_per_s=len(finished) / duration,
         replicas=replicas,
