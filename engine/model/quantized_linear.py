@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model.packed_linear import PackedLinear, can_pack
+from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_layers
 
 MODES = ("int8",)
 KERNEL_DTYPE = torch.bfloat16
@@ -155,10 +155,8 @@ def quantize_linear_layers(model: nn.Module, mode: str, kernel_rows: int | None)
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}")
-    replaced = 0
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.in_features % IN_FEATURES_MULTIPLE == 0:
-                setattr(parent, name, QuantizedLinear(child, kernel_rows))
-                replaced += 1
-    return replaced
+    return replace_linear_layers(
+        model,
+        lambda linear: QuantizedLinear(linear, kernel_rows),
+        where=lambda linear: linear.in_features % IN_FEATURES_MULTIPLE == 0,
+    )
