@@ -34,6 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.opaque_linear import OpaqueLinear
+
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
 # path, for one, needs AVX512-FP16 or AVX-NE-CONVERT and refuses to reorder without).
 SUPPORT_CHECKS = {
@@ -49,7 +51,7 @@ MIN_ROWS = 2
 EXACT_ROWS = 15
 
 
-class PackedLinear(nn.Module):
+class PackedLinear(OpaqueLinear):
     """`y = x W^T + b` with W held in oneDNN's blocked layout; inference only.
 
     Invariants: `packed_weight` is `_reorder_linear_weight(W)` of the original `[out, in]`
@@ -67,7 +69,7 @@ class PackedLinear(nn.Module):
         )
         self.bias = linear.bias
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         padded_to = padded_rows(rows)
         if padded_to == rows:

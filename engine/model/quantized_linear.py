@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.model.opaque_linear import OpaqueLinear
 from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_layers
 
 MODES = ("int8",)
@@ -97,7 +98,7 @@ def dequantize_int8(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return codes.float() * scales.float()[:, None]  # exact in fp32: 8 x 8 significant bits
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(OpaqueLinear):
     """`y = x Wq^T + b` for the int8-quantized weight Wq of an `nn.Linear`; inference only.
 
     Invariants: `codes, scales = quantize_int8(W)` of the original weight W; `kernel_rows`
@@ -124,10 +125,10 @@ class QuantizedLinear(nn.Module):
             plain.bias = linear.bias
             self.dense = PackedLinear(plain)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if self.dense is not None and rows > self.kernel_rows:
-            return self.dense(x)
+            return self.dense.compute(x)
         return self.kernel(x)
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:

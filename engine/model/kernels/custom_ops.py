@@ -1,0 +1,68 @@
+"""The K/V store and the C++ paged attention as `torch.library` ops, for compiled forwards.
+
+`torch.compile` cannot trace into a pybind function, and a graph break at every layer
+would undo what compiling buys. Registered as ops with fake implementations, both stay
+single calls inside one graph, and Inductor orders them by what they read and write.
+
+Both take the whole KV tensor `[num_layers, 2, num_blocks, block_size, Hkv, D]` and a
+layer index, not one layer's K and V views: Inductor mishandles an op that mutates two
+views of one base (the mutation was lost and attention read wrong values), and one
+mutated graph input has no such aliasing.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.kernels.paged_attention import paged_attention as cpp_paged_attention
+
+
+@torch.library.custom_op("pagedserve::store_kv", mutates_args=("kv_cache",))
+def store_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
+) -> None:
+    """Write key and value `[T, Hkv, D]` into `kv_cache[layer]` at `slots` `[T]`; a token
+    whose slot is negative (a padding row) is not written."""
+    k_cache, v_cache = kv_cache[layer]
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    keep = slots >= 0
+    if not bool(keep.all()):
+        key, value, slots = key[keep], value[keep], slots[keep]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+@store_kv.register_fake
+def _(
+    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
+) -> None:
+    return None
+
+
+@torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
+def paged_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """The C++ kernel's `paged_attention` over `kv_cache[layer]`; returns a contiguous
+    `[T, H, D]` (its fake says so too, or compiled code would read it with q's strides)."""
+    k_cache, v_cache = kv_cache[layer]
+    return cpp_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
+
+
+@paged_attention.register_fake
+def _(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return q.new_empty(q.shape)

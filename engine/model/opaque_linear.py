@@ -1,0 +1,64 @@
+"""Linear layers that `torch.compile` calls as they are, through one registered op.
+
+The packed and quantized linears hold weights that compiled code cannot take: oneDNN's
+packed weight is an opaque mkldnn tensor, which fake tensors do not model, and Inductor,
+left to lower linears itself, turns them into MKL GEMMs, which lose oneDNN's packing and
+its row invariance (see `packed_linear`). So such a layer, while being compiled, emits one
+call of `pagedserve::linear(x, handle)`, and the compiled graph calls back into the
+layer's own eager `compute` at run time, with the same bits as the eager engine.
+
+Invariant: `handle` is the layer's index in this process's registry, assigned in creation
+order, so a process that builds the same model the same way gives every layer the same
+handle (the handles are constants in compiled graphs, and so in Inductor's on-disk cache
+keys). The registry holds weak references: a layer's entry dies with the layer.
+"""
+
+from __future__ import annotations
+
+import weakref
+from abc import ABC, abstractmethod
+
+import torch
+from torch import nn
+
+_layers: list[weakref.ref[OpaqueLinear]] = []
+
+
+class OpaqueLinear(nn.Module, ABC):
+    """Base of linears computed by `compute(x)`; subclasses set `in_features` and
+    `out_features` and implement `compute`, which must return a contiguous tensor."""
+
+    in_features: int
+    out_features: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.handle = len(_layers)
+        _layers.append(weakref.ref(self))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return torch.ops.pagedserve.linear(x, self.handle)
+        return self.compute(x)
+
+    @abstractmethod
+    def compute(self, x: torch.Tensor) -> torch.Tensor:
+        """`x W^T (+ b)` over the last axis of `x`, computed eagerly."""
+
+
+def _layer(handle: int) -> OpaqueLinear:
+    layer = _layers[handle]()
+    if layer is None:
+        raise RuntimeError(f"linear layer {handle} was freed while compiled code still calls it")
+    return layer
+
+
+@torch.library.custom_op("pagedserve::linear", mutates_args=())
+def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """`compute(x)` of the registered layer `handle`."""
+    return _layer(handle).compute(x)
+
+
+@opaque_linear.register_fake
+def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], _layer(handle).out_features)
