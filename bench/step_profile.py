@@ -15,7 +15,15 @@ Per step it reports, as medians over the timed steps:
   part (packing ids, positions, slots, block tables) is also shown on its own;
 - and, for comparison, the Hugging Face model's forward over the same B packed tokens with
   an attention function that returns zeros and its linear weights packed as the engine
-  packs them: the engine's model without attention.
+  packs them: the engine's model without attention;
+- ops: how many operators one decode step dispatches from Python (aten and pagedserve
+  ops, counted by `torch.profiler` without the ops they call in turn). A compiled forward
+  (`--set enforce_eager=false`) dispatches only its linears, K/V stores and attention
+  calls: the rest runs inside Inductor's fused C++ loops. Attention is not timed apart
+  there (it runs inside the compiled graph), so its column shows 0 and the model's whole
+  time counts as the rest of the model.
+
+Engine settings are pagedserve's defaults, changed with `--set KEY=VALUE`.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from bench import throughput
-from bench.tables import format_table, positive_ints
+from bench.tables import engine_setting, format_table, positive_ints
 from bench.workloads import ordinary_token_ids, random_workload
 from engine import LLM, SamplingParams
 from engine.llm_engine import LLMEngine
@@ -97,6 +105,7 @@ class StepProfile:
     scheduling_and_input_ms: float
     input_prep_ms: float
     no_attention_forward_ms: float
+    ops_per_step: int
     steps: list[StepTimes] = field(repr=False)
 
 
@@ -114,18 +123,30 @@ class InstrumentedEngine:
         self.sampling = Stopwatch()
         runner = engine.runner
         runner.execute = self.execute.wrap(runner.execute)  # type: ignore[method-assign]
-        runner.model = self.model.wrap(runner.model)
         engine.sampler.sample = self.sampling.wrap(engine.sampler.sample)  # type: ignore[method-assign]
-        # The model looks its attention function up by name on every call; wrap the one
-        # this engine registered (a torch path or the C++ kernel's).
         self.attention_name = engine.model.config._attn_implementation
         self.attention_function = ALL_ATTENTION_FUNCTIONS[self.attention_name]
+        if runner.compiled is not None:
+            # Compiled code calls neither the model object nor the attention function.
+            runner.compiled = self.model.wrap(runner.compiled)
+            return
+        runner.model = self.model.wrap(runner.model)
+        # The model looks its attention function up by name on every call; wrap the one
+        # this engine registered (a torch path or the C++ kernel's).
         AttentionInterface.register(
             self.attention_name, self.attention.wrap(self.attention_function)
         )
 
     def close(self) -> None:
         AttentionInterface.register(self.attention_name, self.attention_function)
+
+    def ops_per_step(self) -> int:
+        """Operators one engine step dispatches from Python (see the module docstring)."""
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            self.engine.step()
+        return sum(
+            1 for event in prof.events() if is_op(event.name) and not _has_op_ancestor(event)
+        )
 
     def timed_step(self) -> StepTimes:
         for watch in (self.execute, self.model, self.attention, self.sampling):
@@ -139,6 +160,19 @@ class InstrumentedEngine:
             self.attention.seconds,
             self.sampling.seconds,
         )
+
+
+def is_op(name: str) -> bool:
+    return name.startswith(("aten::", "pagedserve::", "mkldnn::"))
+
+
+def _has_op_ancestor(event: Any) -> bool:
+    parent = event.cpu_parent
+    while parent is not None:
+        if is_op(parent.name):
+            return True
+        parent = parent.cpu_parent
+    return False
 
 
 def fill_until_decoding(engine: LLMEngine, prompts: Sequence[list[int]], prefix: str) -> float:
@@ -156,16 +190,18 @@ def fill_until_decoding(engine: LLMEngine, prompts: Sequence[list[int]], prefix:
 
 def profile_engine(
     instrumented: InstrumentedEngine, prompts: Sequence[list[int]], steps: int, prefix: str
-) -> tuple[float, list[StepTimes]]:
-    """Mean context when timing starts and the times of `steps` pure decode steps."""
+) -> tuple[float, list[StepTimes], int]:
+    """Mean context when timing starts, the times of `steps` pure decode steps and the
+    ops one more such step dispatches."""
     engine = instrumented.engine
     context = fill_until_decoding(engine, prompts, prefix)
     for _ in range(WARMUP_STEPS):
         engine.step()
     times = [instrumented.timed_step() for _ in range(steps)]
+    ops = instrumented.ops_per_step()
     for i in range(len(prompts)):
         engine.abort_request(f"{prefix}-{i}")
-    return context + WARMUP_STEPS, times
+    return context + WARMUP_STEPS, times, ops
 
 
 # -- the model without attention ----------------------------------------------------------
@@ -206,7 +242,7 @@ def time_no_attention_forward(
 
 
 def summarize(
-    batch: int, context: float, times: list[StepTimes], no_attention: float
+    batch: int, context: float, times: list[StepTimes], ops: int, no_attention: float
 ) -> StepProfile:
     def median_ms(part: Callable[[StepTimes], float]) -> float:
         return 1000 * statistics.median(part(t) for t in times)
@@ -221,6 +257,7 @@ def summarize(
         scheduling_and_input_ms=median_ms(lambda t: t.step - t.model - t.sampling),
         input_prep_ms=median_ms(lambda t: t.execute - t.model),
         no_attention_forward_ms=1000 * no_attention,
+        ops_per_step=ops,
         steps=times,
     )
 
@@ -231,10 +268,15 @@ def run(args: argparse.Namespace) -> list[StepProfile]:
     dtype = resolve_dtype(args.dtype, device)
     llm = LLM(
         args.model,
-        dtype=str(dtype).removeprefix("torch."),
-        device=device.type,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=max(args.batch_sizes),
+        **(
+            dict(
+                dtype=str(dtype).removeprefix("torch."),
+                device=device.type,
+                kv_cache_memory=args.kv_cache_memory,
+                max_num_seqs=max(args.batch_sizes),
+            )
+            | dict(args.set)
+        ),
     )
     tokenizer = llm.get_tokenizer()
     excluded = {*tokenizer.all_special_ids, *tokenizer.added_tokens_decoder}
@@ -245,8 +287,8 @@ def run(args: argparse.Namespace) -> list[StepProfile]:
         for batch in args.batch_sizes:
             logger.info("profiling decode at batch %d", batch)
             prompts = random_workload(batch, args.context, args.context, 1, token_ids).prompts
-            context, times = profile_engine(instrumented, prompts, args.steps, f"b{batch}")
-            measured.append((batch, context, times))
+            context, times, ops = profile_engine(instrumented, prompts, args.steps, f"b{batch}")
+            measured.append((batch, context, times, ops))
     finally:
         instrumented.close()
     del llm, instrumented
@@ -259,16 +301,17 @@ def run(args: argparse.Namespace) -> list[StepProfile]:
             batch,
             context,
             times,
+            ops,
             time_no_attention_forward(plain.model, batch, round(context), token_ids, args.steps),
         )
-        for batch, context, times in measured
+        for batch, context, times, ops in measured
     ]
 
 
 def report(profiles: Sequence[StepProfile]) -> str:
     headers = [
         "batch", "context", "step ms", "attention ms", "rest of model ms", "sampling ms",
-        "sched+input ms", "(input prep ms)", "HF no-attn fwd ms", "attention share",
+        "sched+input ms", "(input prep ms)", "HF no-attn fwd ms", "attention share", "ops",
     ]  # fmt: skip
     rows = [
         [
@@ -282,6 +325,7 @@ def report(profiles: Sequence[StepProfile]) -> str:
             f"{p.input_prep_ms:.1f}",
             f"{p.no_attention_forward_ms:.1f}",
             f"{p.attention_ms / p.step_ms:.0%}",
+            str(p.ops_per_step),
         ]
         for p in profiles
     ]
@@ -306,6 +350,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--kv-cache-memory", default="2GiB", help="pagedserve's KV cache")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument(
+        "--set", type=engine_setting, action="append", default=[], metavar="KEY=VALUE",
+        help="an engine setting, e.g. enforce_eager=false or quantization=int8; repeatable",
+    )  # fmt: skip
     parser.add_argument("--json", type=Path, help="also write the results to this file")
     return parser.parse_args(argv)
 

@@ -45,8 +45,11 @@ class EngineConfig(BaseModel):
     # 'triton' is the Triton kernels (CUDA; not yet run on a GPU in this project, so 'auto'
     # keeps the torch path on CUDA).
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
-    # false: decode steps replay CUDA graphs captured per batch-size bucket at start-up
-    # (needs attention_backend 'triton'). True by default until it has run on a GPU here.
+    # false on the CPU: every step runs one forward compiled by Inductor at start-up around
+    # the C++ attention kernel (engine/model/compiled_forward.py; the compiled code is kept
+    # under $PAGEDSERVE_CACHE/inductor). false on CUDA: decode steps replay CUDA graphs
+    # captured per batch-size bucket (needs attention_backend 'triton'; not yet run on a
+    # GPU in this project). True, the default: eager, what the tests compare against.
     enforce_eager: bool = True
     # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py):
     # faster decode at small batches, at some quality; see the README's "Quantization".
@@ -55,15 +58,6 @@ class EngineConfig(BaseModel):
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
     seed: int | None = None
-
-    @model_validator(mode="after")
-    def _graphs_need_triton(self) -> EngineConfig:
-        if not self.enforce_eager and self.attention_backend != "triton":
-            raise ValueError(
-                "enforce_eager false (decode graphs) needs attention_backend 'triton': "
-                "the other attention paths read host-side lengths"
-            )
-        return self
 
     @model_validator(mode="after")
     def _quantization_is_cpu_only(self) -> EngineConfig:

@@ -12,6 +12,7 @@ from cache import BlockManager, bytes_per_block, cdiv, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.model.attention import check_model_supported, register_paged_attention
 from engine.model.device import resolve_device, resolve_dtype
+from engine.model.kernels.paged_attention import supports, unavailable_reason
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
@@ -90,6 +91,7 @@ class LLMEngine:
             quantize_linear_layers(self.model, mode, max_kernel_rows(self.dtype))
         if can_pack(self.device, self.dtype):
             pack_linear_layers(self.model)
+        self.compiled = self._compiles(config)
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
@@ -111,10 +113,11 @@ class LLMEngine:
             self.block_size,
             config.max_num_seqs,
             self.max_model_len,
-            decode_graphs=not config.enforce_eager,
+            decode_graphs=not config.enforce_eager and config.attention_backend == "triton",
+            compiled=self.compiled,
         )
-        if self.device.type == "cuda":
-            self.runner.capture_graphs()
+        if self.device.type == "cuda" or self.compiled:
+            self.runner.warm_up()
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
@@ -143,6 +146,34 @@ class LLMEngine:
             self.num_kv_blocks * self.block_size, self.max_model_len,
         )  # fmt: skip
 
+    def _compiles(self, config: EngineConfig) -> bool:
+        """Whether steps run through a compiled forward: `enforce_eager` false on the CPU,
+        where attention is the C++ kernel (on CUDA it means decode graphs, with Triton)."""
+        if config.enforce_eager:
+            return False
+        if self.device.type == "cuda":
+            if config.attention_backend != "triton":
+                raise ConfigError(
+                    "enforce_eager false on CUDA (decode graphs) needs attention_backend "
+                    "'triton': the other attention paths read host-side lengths"
+                )
+            return False
+        if config.attention_backend == "triton":
+            return False  # Triton's interpreter: the decode graphs' path, run eagerly (tests)
+        if config.attention_backend == "torch":
+            reason: str | None = "attention_backend is 'torch'"
+        else:
+            reason = unavailable_reason()
+        head_dim = KVLayout.from_config(self.model.config).head_dim
+        if reason is None and not supports(self.dtype, head_dim, self.device):
+            reason = f"it does not take {self.dtype} with head_dim {head_dim}"
+        if reason is not None:
+            raise ConfigError(
+                "enforce_eager false on the CPU compiles the forward around the C++ attention "
+                f"kernel, which this engine cannot use: {reason}"
+            )
+        return True
+
     def _profile_num_blocks(self, layout: KVLayout) -> int:
         """Size the KV cache from the memory the model leaves free.
 
@@ -166,12 +197,13 @@ class LLMEngine:
                 self.config.max_num_seqs,
                 self.max_model_len,
                 decode_graphs=not self.config.enforce_eager,
+                compiled=False,
             )
             seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
             item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))
             runner.update_block_tables(SchedulerOutput([item]))
             runner.execute([item])
-            runner.capture_graphs()
+            runner.warm_up()
             del scratch
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()

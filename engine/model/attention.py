@@ -22,6 +22,7 @@ from transformers import AttentionInterface, PreTrainedModel
 from engine.config import ConfigError
 from engine.errors import UnsupportedModelError
 from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels import custom_ops
 from engine.model.kernels.paged_attention import (
     AttentionKernel,
     load_attention_kernel,
@@ -55,7 +56,11 @@ def paged_attention_forward(
     """
     meta, scale, k_cache, v_cache = _layer_inputs(module, query, scaling, paged_metadata)
     if meta.positions_host is None:
-        raise RuntimeError("a step without host-side lengths (a decode graph) needs Triton")
+        if kernel is None or not supports(query.dtype, query.shape[3], query.device):
+            raise RuntimeError(
+                "a step without host-side lengths (a compiled forward) needs the C++ kernel"
+            )
+        return _registered_ops_attention(module, query, key, value, meta, scale), None
     num_kv_heads, head_dim = key.shape[1], query.shape[3]
     k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
         0, meta.slot_mapping, key[0].transpose(0, 1)
@@ -73,6 +78,32 @@ def paged_attention_forward(
     else:
         out = gathered_attention(q, k_cache, v_cache, meta, scale)
     return out.unsqueeze(0), None
+
+
+def _registered_ops_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """The C++ kernel's path through `custom_ops`, which compiled graphs keep as calls:
+    padding rows (negative slots) store nothing; the output is `[1, T, H, D]`."""
+    layer = module.layer_idx
+    custom_ops.store_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), meta.kv_cache, layer, meta.slot_mapping
+    )
+    out = custom_ops.paged_attention(
+        query[0].transpose(0, 1),
+        meta.kv_cache,
+        layer,
+        meta.block_tables,
+        meta.query_start,
+        meta.context_lens,
+        scale,
+    )
+    return out.unsqueeze(0)
 
 
 def triton_attention_forward(

@@ -34,8 +34,10 @@ class PagedAttentionMetadata:
     `positions_host[i]` is packed token i's position in its sequence; no sequence has more
     than `max_query_len` rows (1 in a pure decode step). The `_host` arrays
     live on the CPU (`query_start` and `context_lens` are copies), for Python-side work
-    that must not wait on the device; they are None in a step replayed from a CUDA graph,
-    which only implementations that read device tensors alone can run.
+    that must not wait on the device; they are None in a step replayed from a CUDA graph
+    or run by a compiled forward (which also leaves `max_query_len` 0: a Python int would
+    be compiled in as a constant), and only implementations that read the tensors alone
+    can run those.
     """
 
     kv_cache: torch.Tensor

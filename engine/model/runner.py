@@ -10,6 +10,7 @@ from transformers import PreTrainedModel
 from cache import cdiv
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.block_tables import BlockTables
+from engine.model.compiled_forward import CompiledForward, pad_step
 from engine.model.decode_graphs import DecodeGraphs
 from engine.model.step_inputs import Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
@@ -26,8 +27,10 @@ class ModelRunner:
     a step's inputs and those entries reach the device in one copy (see `Staging`);
     `mirror_block_tables=True` keeps such a copy on the CPU too (to test it there).
 
-    With `decode_graphs`, decode steps run through `DecodeGraphs` (call `capture_graphs`
-    on CUDA before the first step); the attention must then read device tensors only.
+    With `decode_graphs`, decode steps run through `DecodeGraphs`; the attention must
+    then read device tensors only. With `compiled` (the CPU, the C++ attention kernel),
+    every step runs through one `CompiledForward`. Call `warm_up` before the first step:
+    it captures the CUDA graphs or compiles the forward.
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         decode_graphs: bool = False,
+        compiled: bool = False,
         mirror_block_tables: bool | None = None,
     ) -> None:
         self.model = model
@@ -58,19 +62,25 @@ class ModelRunner:
             if decode_graphs
             else None
         )
+        self.compiled = CompiledForward(model, kv_cache, self._device_tables) if compiled else None
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:
         self.block_tables.update(batch)
 
     @torch.inference_mode()
-    def capture_graphs(self) -> None:
+    def warm_up(self) -> None:
         if self.graphs is not None:
             self.graphs.capture()
+        if self.compiled is not None:
+            self.compiled.warm_up()
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
         """Return float32 logits `[number of sampling chunks, vocab]`."""
         step = build_step_inputs(scheduled, self.block_tables, self.block_size)
+        num_logits = len(step.logits_index)
+        if self.compiled is not None:
+            step = pad_step(step)
         changed_at, changed_ids = self.block_tables.drain_changes()
         if self.graphs is not None and self.graphs.fits(step):
             inputs, changed_at_, changed_ids_ = self._staging.upload(
@@ -90,6 +100,8 @@ class ModelRunner:
             changed_ids,
         )
         self._follow_block_tables(changed_at_, changed_ids_)
+        if self.compiled is not None:
+            return self.compiled(*inputs)[:num_logits].float()
         return self._eager(step, *inputs).float()
 
     def _eager(

@@ -190,8 +190,22 @@ def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
     for profile in profiles:
         assert 0 < profile.attention_ms < profile.step_ms
         assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
+        assert profile.ops_per_step > 0
     # The timing wrapper is gone again: the engine's own registration (the torch function,
     # bound to the C++ kernel where it builds) is back in place.
     name = ATTN_IMPLEMENTATION if unavailable_reason() else ATTN_IMPLEMENTATION_CPP
     restored = ALL_ATTENTION_FUNCTIONS[name]
     assert getattr(restored, "func", restored) is paged_attention_forward
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(unavailable_reason() is not None, reason="the C++ kernel cannot build here")
+def test_step_profile_counts_fewer_ops_in_a_compiled_step(tiny_llama: str):
+    argv = ["--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "16MiB",
+            "--batch-sizes", "2", "--context", "20", "--steps", "2"]  # fmt: skip
+    (eager,) = step_profile.run(step_profile.parse_args(argv))
+    (compiled,) = step_profile.run(step_profile.parse_args([*argv, "--set", "enforce_eager=false"]))
+    assert compiled.attention_ms == 0 and compiled.rest_of_model_ms > 0
+    # Two layers: each dispatches its 7 linears, a K/V store and an attention call, and the
+    # LM head is one more linear; eager mode dispatches every norm, rotary and add as well.
+    assert compiled.ops_per_step < eager.ops_per_step / 2

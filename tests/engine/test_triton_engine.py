@@ -98,11 +98,6 @@ def test_buckets() -> None:
     assert decode_buckets(128)[-3:] == [112, 120, 128]
 
 
-def test_decode_graphs_need_the_triton_backend(tiny_model_paths) -> None:
-    with pytest.raises(ConfigError, match="attention_backend 'triton'"):
-        LLM(str(tiny_model_paths["llama"]), enforce_eager=False, kv_cache_memory="4MiB")
-
-
 def test_triton_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     cpu = torch.device("cpu")
     with pytest.raises(ConfigError, match="block_size"):
