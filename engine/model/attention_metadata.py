@@ -51,6 +51,22 @@ class PagedAttentionMetadata:
     max_query_len: int
     _split: DecodePrefillSplit | None = field(default=None, repr=False)
 
+    @classmethod
+    def device_only(
+        cls,
+        kv_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_start: torch.Tensor,
+        context_lens: torch.Tensor,
+        max_query_len: int,
+    ) -> PagedAttentionMetadata:
+        """Metadata without the `_host` arrays: a CUDA graph's or a compiled forward's."""
+        return cls(
+            kv_cache, slot_mapping, block_tables, query_start, context_lens, None, None, None,
+            max_query_len,
+        )  # fmt: skip
+
     def decode_prefill_split(self) -> DecodePrefillSplit:
         """The split, computed on the first call of the step and kept for later layers."""
         if self._split is None:

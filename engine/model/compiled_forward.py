@@ -37,6 +37,7 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.config import ConfigError, cache_root
 from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.decode_graphs import Forward
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -83,14 +84,14 @@ class CompiledForward:
     `device_tables` by row, so their width is not a dimension of the graph."""
 
     def __init__(
-        self, model: torch.nn.Module, kv_cache: torch.Tensor, device_tables: torch.Tensor
+        self, forward: Forward, kv_cache: torch.Tensor, device_tables: torch.Tensor
     ) -> None:
         if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
             raise ConfigError(
                 "enforce_eager false compiles the forward, but TORCHDYNAMO_DISABLE=1 is set"
             )
         inductor_cache_dir()
-        self._model = model
+        self._model_forward = forward
         # Static: Dynamo would give their sizes symbols shared with equal step sizes (the
         # K/V axis of 2 with a step's 2 sampled rows), specialized where they are indexed.
         torch._dynamo.mark_static(kv_cache)
@@ -123,18 +124,7 @@ class CompiledForward:
             logits_index=starts[1:3] - 1,
             width=1,
         )
-        inputs = [
-            torch.from_numpy(array.astype(np.int64))
-            for array in (
-                step.input_ids,
-                step.positions,
-                step.slots,
-                step.rows,
-                step.query_start,
-                step.context_lens,
-                step.logits_index,
-            )
-        ]
+        inputs = [torch.from_numpy(array.astype(np.int64)) for array in step.arrays()]
         started = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -159,22 +149,8 @@ class CompiledForward:
         kv_cache: torch.Tensor,
         device_tables: torch.Tensor,
     ) -> torch.Tensor:
-        metadata = PagedAttentionMetadata(
-            kv_cache=kv_cache,
-            slot_mapping=slots,
-            block_tables=device_tables.index_select(0, rows),
-            query_start=query_start,
-            context_lens=context_lens,
-            query_start_host=None,
-            context_lens_host=None,
-            positions_host=None,
-            max_query_len=0,
+        tables = device_tables.index_select(0, rows)
+        metadata = PagedAttentionMetadata.device_only(
+            kv_cache, slots, tables, query_start, context_lens, max_query_len=0
         )
-        output = self._model(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            logits_to_keep=logits_index,
-            use_cache=False,
-            paged_metadata=metadata,
-        )
-        return output.logits[0]
+        return self._model_forward(input_ids[None], positions[None], logits_index, metadata)

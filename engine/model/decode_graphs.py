@@ -108,15 +108,8 @@ class DecodeGraphs:
         input_ids, positions, slots, context_lens, rows = self._static[size]
         device = self._kv_cache.device
         every_row = torch.arange(size + 1, dtype=torch.int64, device=device)
-        metadata = PagedAttentionMetadata(
-            kv_cache=self._kv_cache,
-            slot_mapping=slots,
-            block_tables=self._tables.index_select(0, rows),
-            query_start=every_row,
-            context_lens=context_lens,
-            query_start_host=None,
-            context_lens_host=None,
-            positions_host=None,
-            max_query_len=1,
+        tables = self._tables.index_select(0, rows)
+        metadata = PagedAttentionMetadata.device_only(
+            self._kv_cache, slots, tables, every_row, context_lens, max_query_len=1
         )
         return self._forward(input_ids[None], positions[None], every_row[:size], metadata)

@@ -62,7 +62,9 @@ class ModelRunner:
             if decode_graphs
             else None
         )
-        self.compiled = CompiledForward(model, kv_cache, self._device_tables) if compiled else None
+        self.compiled = (
+            CompiledForward(self._forward, kv_cache, self._device_tables) if compiled else None
+        )
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:
         self.block_tables.update(batch)
@@ -89,15 +91,7 @@ class ModelRunner:
             self._follow_block_tables(changed_at_, changed_ids_)
             return self.graphs.run(step, inputs).float()
         *inputs, changed_at_, changed_ids_ = self._staging.upload(
-            step.input_ids,
-            step.positions,
-            step.slots,
-            step.rows,
-            step.query_start,
-            step.context_lens,
-            step.logits_index,
-            changed_at,
-            changed_ids,
+            *step.arrays(), changed_at, changed_ids
         )
         self._follow_block_tables(changed_at_, changed_ids_)
         if self.compiled is not None:

@@ -33,6 +33,19 @@ class StepInputs:
     logits_index: np.ndarray
     width: int
 
+    def arrays(self) -> tuple[np.ndarray, ...]:
+        """The seven arrays in the order the runner's forwards take them: input ids,
+        positions, slots, rows, query_start, context_lens, logits_index."""
+        return (
+            self.input_ids,
+            self.positions,
+            self.slots,
+            self.rows,
+            self.query_start,
+            self.context_lens,
+            self.logits_index,
+        )
+
     @property
     def num_seqs(self) -> int:
         return len(self.rows)
