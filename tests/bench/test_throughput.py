@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from bench import step_profile, throughput
+from bench import decode_ab, step_profile, throughput
 from bench.workloads import (
     Workload,
     ordinary_token_ids,
@@ -209,3 +209,19 @@ def test_step_profile_counts_fewer_ops_in_a_compiled_step(tiny_llama: str):
     # Two layers: each dispatches its 7 linears, a K/V store and an attention call, and the
     # LM head is one more linear; eager mode dispatches every norm, rotary and add as well.
     assert compiled.ops_per_step < eager.ops_per_step / 2
+
+
+def test_decode_ab_times_each_variant_at_each_batch_size(tiny_llama: str):
+    args = decode_ab.parse_args(
+        ["--model", tiny_llama, "--kv-cache-memory", "16MiB", "--batch-sizes", "1,3",
+         "--context", "12", "--rounds", "3", "--variant", "cpp=",
+         "--variant", "torch=attention_backend=torch,dtype=float32"]
+    )  # fmt: skip
+    assert args.variant[1] == ("torch", {"attention_backend": "torch", "dtype": "float32"})
+    medians = decode_ab.run(args)
+    assert list(medians) == [1, 3] and all(list(m) == ["cpp", "torch"] for m in medians.values())
+    assert all(seconds > 0 for m in medians.values() for seconds in m.values())
+    lines = decode_ab.report(medians).splitlines()
+    assert len(lines) == 2 + 4 and lines[2].split()[-1] == "1.00x"
+    with pytest.raises(SystemExit):
+        decode_ab.parse_args(["--variant", "a=", "--variant", "a=seed=1"])
