@@ -7,7 +7,8 @@ contract (see `engine.model.torch_attention`): the C++ kernel on the CPU, the bl
 torch path on a CPU without it, the gathered torch path on CUDA, and the Triton kernels
 (opt-in on CUDA: `attention_backend: triton`; they have not run on a GPU in this project
 yet). On the CPU a row's bits depend only on its query, its position and its context,
-never on the rest of the batch.
+never on the rest of the batch. A step without host-side lengths (the compiled forward)
+runs the C++ kernel and the K/V store through their registered ops (`kernels.custom_ops`).
 The causal-mask construction of the model is skipped: transformers builds no mask for an
 attention implementation that has no registered mask function.
 """
