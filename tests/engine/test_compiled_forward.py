@@ -73,6 +73,14 @@ def test_a_requests_bits_do_not_depend_on_the_batch(compiled_llm: LLM, tiny_mode
     assert outputs(chunked, PROMPTS) == alone
 
 
+def test_int8_linears_run_compiled_too(tiny_model_paths) -> None:
+    settings = {"kv_cache_memory": "4MiB", "quantization": "int8"}
+    eager = LLM(str(tiny_model_paths["llama"]), **settings)
+    compiled = LLM(str(tiny_model_paths["llama"]), enforce_eager=False, **settings)
+    expected, got = outputs(eager, PROMPTS), outputs(compiled, PROMPTS)
+    assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+
+
 def test_padding_rows_store_nothing_and_attention_matches_the_kernel() -> None:
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, 2, 4, 16, 2, 64)
