@@ -53,12 +53,21 @@ def _layer(handle: int) -> OpaqueLinear:
     return layer
 
 
-@torch.library.custom_op("pagedserve::linear", mutates_args=())
+# A plain `Library` definition, not `torch.library.custom_op`: the compiled step makes one
+# call per linear (211 in SmolLM2), and custom_op's Python wrapper cost about 20 µs more
+# per call than a kernel registered directly (measured on one 576x576 linear).
+_library = torch.library.Library("pagedserve", "FRAGMENT")
+_library.define("linear(Tensor x, int handle) -> Tensor")
+
+
 def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    """`compute(x)` of the registered layer `handle`."""
+    """`compute(x)` of the registered layer `handle` (the op's CPU kernel)."""
     return _layer(handle).compute(x)
 
 
-@opaque_linear.register_fake
+_library.impl("linear", opaque_linear, "CPU")
+
+
+@torch.library.register_fake("pagedserve::linear")
 def _(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], _layer(handle).out_features)
