@@ -92,6 +92,9 @@ class LLMEngine:
         if can_pack(self.device, self.dtype):
             pack_linear_layers(self.model)
         self.compiled = self._compiles(config)
+        # Decode graphs: enforce_eager false wherever the forward is not compiled instead
+        # (CUDA, which `_compiles` held to Triton, and Triton's interpreter on the CPU).
+        self.decode_graphs = not config.enforce_eager and not self.compiled
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
@@ -113,7 +116,7 @@ class LLMEngine:
             self.block_size,
             config.max_num_seqs,
             self.max_model_len,
-            decode_graphs=not config.enforce_eager and config.attention_backend == "triton",
+            decode_graphs=self.decode_graphs,
             compiled=self.compiled,
         )
         if self.device.type == "cuda" or self.compiled:
@@ -196,8 +199,7 @@ class LLMEngine:
                 self.block_size,
                 self.config.max_num_seqs,
                 self.max_model_len,
-                decode_graphs=not self.config.enforce_eager,
-                compiled=False,
+                decode_graphs=self.decode_graphs,
             )
             seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
             item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))

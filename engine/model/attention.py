@@ -62,12 +62,9 @@ def paged_attention_forward(
                 "a step without host-side lengths (a compiled forward) needs the C++ kernel"
             )
         return _registered_ops_attention(module, query, key, value, meta, scale), None
-    num_kv_heads, head_dim = key.shape[1], query.shape[3]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, meta.slot_mapping, key[0].transpose(0, 1)
-    )
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(
-        0, meta.slot_mapping, value[0].transpose(0, 1)
+    head_dim = query.shape[3]
+    custom_ops.write_kv(
+        key[0].transpose(0, 1), value[0].transpose(0, 1), k_cache, v_cache, meta.slot_mapping
     )
     q = query[0].transpose(0, 1)  # [T, H, D]
     if kernel is not None and supports(q.dtype, head_dim, q.device):

@@ -38,14 +38,12 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine.config import ConfigError, cache_root
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.decode_graphs import Forward
+from engine.model.decode_graphs import PADDING_ROW, Forward
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
-# The padding sequence's token: id, position, slot, table row, context length.
-PADDING_TOKEN = (0, 0, -1, 0, 1)
 
 
 def inductor_cache_dir() -> str:
@@ -65,7 +63,7 @@ def pad_step(step: StepInputs) -> StepInputs:
     if len(step.logits_index) >= 2:
         return step
     token = len(step.input_ids)
-    input_id, position, slot, row, context = PADDING_TOKEN
+    input_id, position, slot, context, row = PADDING_ROW
     return StepInputs(
         input_ids=np.append(step.input_ids, input_id),
         positions=np.append(step.positions, position),

@@ -17,19 +17,30 @@ import torch
 from engine.model.kernels.paged_attention import paged_attention as cpp_paged_attention
 
 
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write key and value `[T, Hkv, D]` into one layer's caches at `slots` `[T]` (all
+    valid): the eager attention path's store, and the op's below."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[2]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
 @torch.library.custom_op("pagedserve::store_kv", mutates_args=("kv_cache",))
 def store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
 ) -> None:
     """Write key and value `[T, Hkv, D]` into `kv_cache[layer]` at `slots` `[T]`; a token
     whose slot is negative (a padding row) is not written."""
-    k_cache, v_cache = kv_cache[layer]
-    num_kv_heads, head_dim = key.shape[1], key.shape[2]
     keep = slots >= 0
     if not bool(keep.all()):
         key, value, slots = key[keep], value[keep], slots[keep]
-    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+    write_kv(key, value, *kv_cache[layer], slots)
 
 
 @store_kv.register_fake
