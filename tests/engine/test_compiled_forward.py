@@ -61,6 +61,7 @@ def test_greedy_tokens_equal_eager_modes(compiled_llm: LLM, tiny_model_paths) ->
 
 
 def test_a_requests_bits_do_not_depend_on_the_batch(compiled_llm: LLM, tiny_model_paths) -> None:
+    graphs = counters["stats"]["unique_graphs"]
     alone = [outputs(compiled_llm, [prompt])[0] for prompt in PROMPTS]  # also warms the cache
     assert outputs(compiled_llm, PROMPTS) == alone  # together, with prefix-cache hits
     chunked = LLM(
@@ -71,6 +72,8 @@ def test_a_requests_bits_do_not_depend_on_the_batch(compiled_llm: LLM, tiny_mode
         enable_prefix_caching=False,
     )
     assert outputs(chunked, PROMPTS) == alone
+    # Steps of one token, one sequence, one or no sampled row: no graph of their own.
+    assert counters["stats"]["unique_graphs"] == graphs + 1  # the chunked engine's
 
 
 def test_int8_linears_run_compiled_too(tiny_model_paths) -> None:
