@@ -32,7 +32,7 @@ ENV PYTHONUNBUFFERED=1 \
 FROM base AS builder
 ARG TORCH_VERSION=2.13.0
 ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# A C++ compiler for the decode-attention kernel, in this stage only, and Python's headers
+# A C++ compiler for the C++ kernels, in this stage only, and Python's headers
 # where the base image's Python comes without them (an apt-installed python3).
 RUN set -- g++ \
     && python3 -c "import os, sysconfig; \
@@ -61,11 +61,13 @@ COPY engine /build/engine
 COPY server /build/server
 COPY bench /build/bench
 RUN pip install --no-deps /build
-# The kernel is built with -march=native for the CPU of the machine building the image; the
-# runtime stage loads it without a compiler. On a different CPU its folder name (a hash
-# of the CPU flags) does not match: the server logs one warning and attends with torch.
+# The C++ kernels (paged attention, int8 linear) are built with -march=native for the CPU
+# of the machine building the image; the runtime stage loads them without a compiler. On a
+# different CPU their folder names (a hash of the CPU flags) do not match: the server logs
+# one warning and attends with torch, and `quantization: int8` stops with a ConfigError.
 RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
-import load_attention_kernel; assert load_attention_kernel() is not None"
+import load_attention_kernel; from engine.model.kernels import int8_linear; \
+assert load_attention_kernel() is not None; int8_linear.EXTENSION.load()"
 # Only /opt/pagedserve leaves this stage, so what the server never loads is deleted here,
 # after the kernel build that needed some of it: torch's C++ headers and CMake files (for
 # compiling extensions; the runtime image has no compiler), torch's C++ test programs

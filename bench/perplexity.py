@@ -29,7 +29,11 @@ from transformers.utils import logging as transformers_logging
 
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
-from engine.model.quantized_linear import can_quantize, max_kernel_rows, quantize_linear_layers
+from engine.model.quantized_linear import (
+    max_kernel_rows,
+    quantize_linear_layers,
+    unavailable_reason,
+)
 
 CPU = torch.device("cpu")
 
@@ -41,7 +45,7 @@ def text() -> str:
 def variants(dtype: torch.dtype) -> list[tuple[str, str, int | None]]:
     """(label, mode, kernel rows) of each model measured in `dtype`, unquantized first."""
     rows = max_kernel_rows(dtype)
-    if not can_quantize(CPU, dtype, "int8"):
+    if unavailable_reason(CPU, dtype, "int8") is not None:
         return [("none", "none", None)]
     if rows is None:
         return [("none", "none", None), ("int8 (kernel at all rows)", "int8", None)]

@@ -63,8 +63,8 @@ class EngineConfig(BaseModel):
     def _quantization_is_cpu_only(self) -> EngineConfig:
         if self.quantization != "none" and self.device == "cuda":
             raise ValueError(
-                f"quantization '{self.quantization}' runs on the CPU only: it uses PyTorch's "
-                "CPU kernel for int8 weights"
+                f"quantization '{self.quantization}' runs on the CPU only: its int8 kernel "
+                "is C++ for the CPU"
             )
         return self
 

@@ -16,7 +16,8 @@ from engine.model.kernels.paged_attention import supports, unavailable_reason
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
-from engine.model.quantized_linear import can_quantize, max_kernel_rows, quantize_linear_layers
+from engine.model.quantized_linear import max_kernel_rows, quantize_linear_layers
+from engine.model.quantized_linear import unavailable_reason as quantization_unavailable
 from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
@@ -67,11 +68,13 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         mode = config.quantization
-        if mode != "none" and not can_quantize(self.device, self.dtype, mode):
-            raise ConfigError(
-                f"quantization '{mode}' needs the CPU, float32 or bfloat16 and torch's {mode} CPU "
-                f"kernel (float32 also oneDNN); this engine runs {self.dtype} on {self.device}"
-            )
+        if mode != "none":
+            reason = quantization_unavailable(self.device, self.dtype, mode)
+            if reason is not None:
+                raise ConfigError(
+                    f"quantization '{mode}' cannot run in this engine ({self.dtype} on "
+                    f"{self.device}): {reason}"
+                )
         loaded = load_model(
             config.model,
             dtype=self.dtype,

@@ -43,8 +43,6 @@ SUPPORT_CHECKS = {
     torch.bfloat16: "_is_mkldnn_bf16_supported",
     torch.float16: "_is_mkldnn_fp16_supported",
 }
-# Which linears `replace_linear_layers` swaps; None: all of them.
-LinearFilter = Callable[[nn.Linear], bool] | None
 # oneDNN's smallest row count whose rows share the bits of every larger call's rows.
 MIN_ROWS = 2
 # Row counts up to this run as they are; above it, see `padded_rows`.
@@ -128,15 +126,13 @@ def pack_linear_layers(model: nn.Module) -> int:
     return replace_linear_layers(model, PackedLinear)
 
 
-def replace_linear_layers(
-    model: nn.Module, replacement: Callable[[nn.Linear], nn.Module], where: LinearFilter = None
-) -> int:
-    """Swap every plain `nn.Linear` of `model` (for which `where` holds, if given) for
-    `replacement(linear)`, in place; return how many were swapped."""
+def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:
+    """Swap every plain `nn.Linear` of `model` for `replacement(linear)`, in place; return
+    how many were swapped."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and (where is None or where(child)):
+            if type(child) is nn.Linear:
                 setattr(parent, name, replacement(child))
                 replaced += 1
     return replaced

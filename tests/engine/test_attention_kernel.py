@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.kernels import cpp_extension
 from engine.model.kernels import paged_attention as kernel_module
 from engine.model.kernels.paged_attention import (
     KernelUnavailableError,
@@ -370,10 +371,10 @@ def test_rejects_unsupported_kinds(dtype: torch.dtype, head_dim: int) -> None:
 def test_loader_degrades_to_none_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(kernel_module, "_result", None)
+    monkeypatch.setattr(kernel_module.EXTENSION, "_result", None)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))  # no library built before
     monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
-    with caplog.at_level(logging.WARNING, logger=kernel_module.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpp_extension.__name__):
         assert load_attention_kernel() is None
         assert load_attention_kernel() is None
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
@@ -388,7 +389,7 @@ def test_a_stamped_library_loads_without_a_compiler(
 ) -> None:
     """As in the container image: built elsewhere, loaded by a new process with no compiler."""
     skip_without_kernel()  # builds it in the real cache, or finds it there
-    built = kernel_module.build_directory()
+    built = kernel_module.EXTENSION.build_directory()
     shutil.copytree(built, tmp_path / "kernels" / built.name)
     env = {**os.environ, "PAGEDSERVE_CACHE": str(tmp_path), "CXX": "no-such-compiler-pagedserve"}
     check = (
@@ -403,8 +404,8 @@ def test_a_stamped_library_loads_without_a_compiler(
     )
     assert result.returncode == 0, result.stderr[-2000:]
     # A stamp from another source (an edited kernel) sends the loader back to the compiler.
-    (tmp_path / "kernels" / built.name / kernel_module.STAMP_NAME).write_text("0" * 64)
+    (tmp_path / "kernels" / built.name / cpp_extension.STAMP_NAME).write_text("0" * 64)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", "no-such-compiler-pagedserve")
-    monkeypatch.setattr(kernel_module, "_result", None)
+    monkeypatch.setattr(kernel_module.EXTENSION, "_result", None)
     assert load_attention_kernel() is None

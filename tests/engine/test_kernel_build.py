@@ -1,5 +1,5 @@
-"""The C++ kernel's source is C++17, which torch 2.11's extension builder compiles with (torch
-2.13 uses C++20), and where no kernel can be built the engine keeps torch attention."""
+"""The C++ kernels' sources are C++17, which torch 2.11's extension builder compiles with
+(torch 2.13 uses C++20), and where no kernel can be built the engine keeps torch attention."""
 
 from __future__ import annotations
 
@@ -14,10 +14,13 @@ import pytest
 from torch.utils import cpp_extension
 
 from engine.model.attention import ATTN_IMPLEMENTATION
-from engine.model.kernels.paged_attention import CFLAGS, EXTENSION_NAME, SOURCE
+from engine.model.kernels import int8_linear, paged_attention
+from engine.model.kernels.cpp_extension import CFLAGS, CppExtension
+
+EXTENSIONS = [paged_attention.EXTENSION, int8_linear.EXTENSION]
 
 
-def check_as_cxx17(source: Path) -> subprocess.CompletedProcess[str]:
+def check_as_cxx17(source: Path, module_name: str) -> subprocess.CompletedProcess[str]:
     """Compile `source` as torch's builder does, but under C++17, without code generation.
 
     torch's and Python's headers come in with -isystem, as the builder passes them, so
@@ -30,14 +33,15 @@ def check_as_cxx17(source: Path) -> subprocess.CompletedProcess[str]:
     headers = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     command = [
         compiler, "-std=c++17", "-pedantic-errors", "-fsyntax-only", "-fPIC", *CFLAGS,
-        f"-DTORCH_EXTENSION_NAME={EXTENSION_NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H",
+        f"-DTORCH_EXTENSION_NAME={module_name}", "-DTORCH_API_INCLUDE_EXTENSION_H",
         *[flag for header in headers for flag in ("-isystem", header)], str(source),
     ]  # fmt: skip
     return subprocess.run(command, capture_output=True, text=True, timeout=300)
 
 
-def test_the_kernel_source_compiles_as_cxx17() -> None:
-    result = check_as_cxx17(SOURCE)
+@pytest.mark.parametrize("extension", EXTENSIONS, ids=lambda extension: extension.name)
+def test_the_kernel_sources_compile_as_cxx17(extension: CppExtension) -> None:
+    result = check_as_cxx17(extension.source, extension.module_name)
     assert result.returncode == 0, result.stderr[-3000:]
 
 
@@ -54,7 +58,7 @@ def test_the_check_rejects_cxx20(cxx20: str, tmp_path: Path) -> None:
     """What would fail torch 2.11's build (the first two) fails this check too."""
     source = tmp_path / "cxx20.cpp"
     source.write_text(cxx20 + "\n")
-    assert check_as_cxx17(source).returncode != 0
+    assert check_as_cxx17(source, "cxx20").returncode != 0
 
 
 FALLBACK = """

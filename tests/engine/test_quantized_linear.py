@@ -15,18 +15,23 @@ from engine.config import ConfigError, EngineConfig, load_config
 from engine.model.packed_linear import can_pack
 from engine.model.quantized_linear import (
     QuantizedLinear,
-    can_quantize,
     dequantize_int8,
     max_kernel_rows,
     quantize_int8,
     quantize_linear_layers,
+    unavailable_reason,
 )
 from server.cli import build_parser
 from server.config import resolve_serve_config
 
 CPU = torch.device("cpu")
-DTYPES = [d for d in (torch.float32, torch.bfloat16) if can_quantize(CPU, d, "int8")]
-pytestmark = pytest.mark.skipif(not DTYPES, reason="this torch has no CPU int8 kernel")
+DTYPES = [d for d in (torch.float32, torch.bfloat16) if unavailable_reason(CPU, d, "int8") is None]
+pytestmark = pytest.mark.skipif(not DTYPES, reason="the C++ int8 kernel cannot be built here")
+# The kernel computes in fp32 and rounds its result once: a bf16 output is within 2^-8.
+TOLERANCE = {
+    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
+}
 
 
 def random_linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
@@ -42,24 +47,31 @@ def test_quantization_error_is_at_most_half_a_step():
     assert ((dequantize_int8(codes, scales) - weight).abs() <= step * 0.51).all()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_computes_the_dequantized_weight(dtype: torch.dtype):
-    linear = random_linear(256, 192, dtype, bias=True)
+# Input counts: whole vectors (576), an odd number of AVX2 vectors (200), and a scalar tail.
+IN_FEATURES = pytest.mark.parametrize("in_features", [576, 200, 203])
+
+
+@IN_FEATURES
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_computes_the_dequantized_weight(dtype: torch.dtype, in_features: int):
+    linear = random_linear(in_features, 192, dtype, bias=True)
     layer = QuantizedLinear(linear, None)
     dequantized = dequantize_int8(*quantize_int8(linear.weight.detach()))
-    x = torch.randn(2, 3, 256).to(dtype)
+    x = torch.randn(2, 3, in_features).to(dtype)
     with torch.inference_mode():
         out = layer(x)
         expected = F.linear(x.float(), dequantized, linear.bias.float())
     assert out.shape == (2, 3, 192) and out.dtype == dtype
-    # The kernel rounds its input and output to bf16: about 2^-8 of the output's size.
-    torch.testing.assert_close(out.float(), expected, atol=0.02, rtol=0.02)
+    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.dtype):
-    layer = QuantizedLinear(random_linear(576, 192, dtype), None)
-    x = torch.randn(40, 576).to(dtype)
+@IN_FEATURES
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(
+    dtype: torch.dtype, in_features: int
+):
+    layer = QuantizedLinear(random_linear(in_features, 192, dtype), None)
+    x = torch.randn(40, in_features).to(dtype)
     with torch.inference_mode():
         reference = layer.kernel(x)
         for rows in range(1, 41):
@@ -75,14 +87,15 @@ def test_the_layer_switches_to_the_dense_path_above_its_row_threshold():
         small, large = torch.randn(1, rows, 128), torch.randn(rows + 1, 128)
         assert torch.equal(layer(small), layer.kernel(small))
         assert torch.equal(layer(large), layer.dense(large))
-        # Both paths compute the same quantized weights, up to the kernel's bf16 rounding.
-        torch.testing.assert_close(layer.kernel(large), layer.dense(large), atol=0.02, rtol=0.02)
+        # Both paths compute the same quantized weights, in sums of different orders.
+        torch.testing.assert_close(layer.kernel(large), layer.dense(large))
 
 
-def test_only_linears_with_whole_kernel_vectors_of_inputs_are_quantized():
-    model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 64))
-    assert quantize_linear_layers(model, "int8", None) == 1
-    assert isinstance(model[0], QuantizedLinear) and type(model[1]) is nn.Linear
+def test_every_plain_linear_is_quantized():
+    model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 7))
+    assert quantize_linear_layers(model, "int8", None) == 2
+    assert all(isinstance(layer, QuantizedLinear) for layer in model)
+    assert model(torch.randn(3, 64)).shape == (3, 7)
 
 
 def test_bf16_keeps_a_dense_copy_only_where_onednn_packs_it():
@@ -92,16 +105,16 @@ def test_bf16_keeps_a_dense_copy_only_where_onednn_packs_it():
     assert (layer.dense is None) == (rows is None)
 
 
-def test_can_quantize_only_the_cpu_in_fp32_and_bf16():
-    assert not can_quantize(torch.device("cuda"), torch.float32, "int8")
-    assert not can_quantize(CPU, torch.float16, "int8")
-    assert not can_quantize(CPU, torch.float32, "int4")
+def test_quantization_runs_only_on_the_cpu_in_fp32_and_bf16():
+    assert "CPU only" in unavailable_reason(torch.device("cuda"), torch.float32, "int8")
+    assert "float32 or bfloat16" in unavailable_reason(CPU, torch.float16, "int8")
+    assert "unknown mode 'int4'" in unavailable_reason(CPU, torch.float32, "int4")
 
 
 def test_quantization_on_cuda_or_in_fp16_is_a_config_error(tiny_model_paths: dict[str, Path]):
     with pytest.raises(ConfigError, match="CPU only"):
         load_config(EngineConfig, overrides={"device": "cuda", "quantization": "int8"}, environ={})
-    with pytest.raises(ConfigError, match="quantization 'int8' needs the CPU"):
+    with pytest.raises(ConfigError, match=r"quantization 'int8' cannot run .*float32 or bfloat16"):
         LLM(str(tiny_model_paths["llama"]), dtype="float16", quantization="int8")
 
 
