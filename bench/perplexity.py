@@ -11,7 +11,7 @@ Each variant loads the model afresh and prepares its linears as the engine does
 (`quantize_linear_layers`, then `pack_linear_layers` where oneDNN packs the dtype). A
 window is one forward of 512 rows, so with a row threshold it runs the quantized model's
 dense path; the `kernel` variant runs the kernel at every row count instead, which is what
-decode at small batches computes (in bf16 activations). The table gives each variant's
+decode at small batches computes. The table gives each variant's
 perplexity and its change against the unquantized model of the same dtype.
 """
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import huggingface_hub.constants
 import pytest
 import torch
 
@@ -30,7 +31,10 @@ def test_missing_paths_are_clear_errors(tmp_path: Path):
 
 
 def test_unreachable_hub_id_says_what_to_do(monkeypatch: pytest.MonkeyPatch):
+    # The hub library reads HF_HUB_OFFLINE once, at import: set its constant too, or it
+    # tries the (unreachable) network and its retries, about 45 s.
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(ModelLoadError, match="local folder"):
         load_model("someone/no-such-model", dtype=torch.float32, device=torch.device("cpu"))
 
