@@ -5,8 +5,8 @@ output channel; activations stay floating point. The kernel (`kernels/int8_linea
 widens the codes to fp32 in registers and computes in fp32 (a bf16 model's rows are
 widened on the way in and the result rounded once on the way out), so at decode, where
 a linear streams its weights from memory once per step, it reads a quarter of the fp32
-weights' bytes: on a 2-core AVX2 CPU the decode step's linears of SmolLM2-135M take 4.9x
-less time than the packed fp32 linears at one row and 2.4x less at 4 rows
+weights' bytes: on a 2-core AVX2 CPU the decode step's linears of SmolLM2-135M take 3.4x
+less time than the packed fp32 linears at one row and 2.3x less at 4 rows
 (`python -m bench.linear_kernels`; README, "Quantization"). (PyTorch's own
 `_weight_int8pack_mm`, used before, is vectorized for bf16 only and was 2.5x slower than
 this kernel at one row. int4 was measured with it and left out: no faster than int8 at

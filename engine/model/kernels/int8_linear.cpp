@@ -4,10 +4,10 @@
 // Why. At decode a linear reads every weight once per step, so its time is the time to
 // stream the weights from memory: int8 codes are a quarter of fp32 weights. PyTorch's own
 // `_weight_int8pack_mm` is vectorized for bf16 activations only and dequantizes per block
-// of 4 rows (4.5x slower than this kernel at one row on a 2-core AVX2 CPU); this kernel
-// widens each code to fp32 in registers and multiplies it into up to kRowRun rows per pass
-// over a weight row, whose later passes find it in cache, so the weights stream from
-// memory once per call, and the arithmetic is fp32.
+// of 4 rows (on a 2-core AVX2 CPU, 2.5x slower than this kernel on one decode step's
+// linears at one row). This kernel widens each code to fp32 in registers and multiplies
+// it into up to kRowRun rows per pass over a weight row, whose later passes find the row
+// in cache, so the weights stream from memory once per call; the arithmetic is fp32.
 //
 // Invariance. An output element y[m][n] = scales[n] * sum_k x[m][k] * codes[n][k] is
 // computed by one thread with the same operations for every row count and every other
