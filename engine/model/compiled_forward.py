@@ -14,10 +14,9 @@ back to eager mode. Dynamic sizes are never 0 or 1 (Inductor would specialize th
 a step with fewer than two sampled rows gets one padding sequence: one token at position
 0 that writes no KV slot (slot -1) and reads one slot of block table row 0, whose first
 entry always names a block that exists, sampled once or twice; its logits are dropped.
-The cost: a batch-1 decode step computes two rows. (With int8 linears the compiled batch-1
-step measured 0.87x eager int8's speed; marking the sizes unbacked instead of padding
-compiled without specializing but measured no better, 0.90x, and lost at batch 8. See
-the README's "Compiled forward".)
+The cost: a batch-1 decode step computes two rows, and the K/V store drops the padding
+row by a mask in every layer. (Marking the sizes unbacked instead of padding compiled
+without specializing, but the step measured no faster, so the padding stays.)
 
 Invariants:
 - A row's bits depend only on the row, never on the step's other rows or sizes: the

@@ -31,8 +31,22 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-@torch.library.custom_op("pagedserve::store_kv", mutates_args=("kv_cache",))
-def store_kv(
+# Plain `Library` definitions, not `torch.library.custom_op`, as for the linear op
+# (`opaque_linear`): with custom_op, `torch.profiler` over compiled SmolLM2 int8 decode
+# steps gave the store 195 µs a call (5.8 ms a step; now 137 µs, most of it dropping the
+# padding row) and the attention 109 µs (now 84 µs), and the compiled int8 batch-1 step
+# was 0.88x eager's speed (now 1.04x, `bench.decode_ab`).
+_library = torch.library.Library("pagedserve", "FRAGMENT")
+_library.define(
+    "store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()"
+)
+_library.define(
+    "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
+    "Tensor query_start, Tensor context_lens, float scale) -> Tensor"
+)
+
+
+def _store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
 ) -> None:
     """Write key and value `[T, Hkv, D]` into `kv_cache[layer]` at `slots` `[T]`; a token
@@ -43,13 +57,7 @@ def store_kv(
     write_kv(key, value, *kv_cache[layer], slots)
 
 
-@store_kv.register_fake
-def _(*args: object) -> None:
-    return None
-
-
-@torch.library.custom_op("pagedserve::paged_attention", mutates_args=())
-def paged_attention(
+def _paged_attention(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
     layer: int,
@@ -64,6 +72,17 @@ def paged_attention(
     return cpp_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
 
 
-@paged_attention.register_fake
+_library.impl("store_kv", _store_kv, "CPU")
+_library.impl("paged_attention", _paged_attention, "CPU")
+store_kv = torch.ops.pagedserve.store_kv
+paged_attention = torch.ops.pagedserve.paged_attention
+
+
+@torch.library.register_fake("pagedserve::store_kv")
+def _(*args: object) -> None:
+    return None
+
+
+@torch.library.register_fake("pagedserve::paged_attention")
 def _(q: torch.Tensor, *args: object) -> torch.Tensor:
     return q.new_empty(q.shape)
