@@ -33,9 +33,9 @@ def write_kv(
 
 # Plain `Library` definitions, not `torch.library.custom_op`, as for the linear op
 # (`opaque_linear`): with custom_op, `torch.profiler` over compiled SmolLM2 int8 decode
-# steps gave the store 195 µs a call (5.8 ms a step; now 137 µs, most of it dropping the
-# padding row) and the attention 109 µs (now 84 µs), and the compiled int8 batch-1 step
-# was 0.88x eager's speed (now 1.04x, `bench.decode_ab`).
+# steps gave the store 195 µs a call (5.8 ms a step; now 137 µs, about half of it
+# dropping the padding row) and the attention 109 µs (now 84 µs), and the compiled int8
+# batch-1 step was 0.88x eager int8's speed (now 1.04x, `bench.decode_ab`).
 _library = torch.library.Library("pagedserve", "FRAGMENT")
 _library.define(
     "store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()"
