@@ -10,14 +10,13 @@ import torch
 
 from cache import BlockManager, bytes_per_block, cdiv, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
+from engine.model import quantized_linear
 from engine.model.attention import check_model_supported, register_paged_attention
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kernels.paged_attention import supports, unavailable_reason
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
-from engine.model.quantized_linear import max_kernel_rows, quantize_linear_layers
-from engine.model.quantized_linear import unavailable_reason as quantization_unavailable
 from engine.model.runner import ModelRunner
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
@@ -69,7 +68,7 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         mode = config.quantization
         if mode != "none":
-            reason = quantization_unavailable(self.device, self.dtype, mode)
+            reason = quantized_linear.unavailable_reason(self.device, self.dtype, mode)
             if reason is not None:
                 raise ConfigError(
                     f"quantization '{mode}' cannot run in this engine ({self.dtype} on "
@@ -91,7 +90,9 @@ class LLMEngine:
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         if mode != "none":
             # The packing below takes plain `nn.Linear`s only: it leaves these alone.
-            quantize_linear_layers(self.model, mode, max_kernel_rows(self.dtype))
+            quantized_linear.quantize_linear_layers(
+                self.model, mode, quantized_linear.max_kernel_rows(self.dtype)
+            )
         if can_pack(self.device, self.dtype):
             pack_linear_layers(self.model)
         self.compiled = self._compiles(config)

@@ -21,6 +21,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from engine.model.kernels.custom_ops import LIBRARY
+
 _layers: list[weakref.ref[OpaqueLinear]] = []
 
 
@@ -53,11 +55,8 @@ def _layer(handle: int) -> OpaqueLinear:
     return layer
 
 
-# A plain `Library` definition, not `torch.library.custom_op`: the compiled step makes one
-# call per linear (211 in SmolLM2), and custom_op's Python wrapper cost about 20 µs more
-# per call than a kernel registered directly (measured on one 576x576 linear).
-_library = torch.library.Library("pagedserve", "FRAGMENT")
-_library.define("linear(Tensor x, int handle) -> Tensor")
+# Called once per linear of a compiled step (211 in SmolLM2): see `custom_ops.LIBRARY`.
+LIBRARY.define("linear(Tensor x, int handle) -> Tensor")
 
 
 def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -65,7 +64,7 @@ def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     return _layer(handle).compute(x)
 
 
-_library.impl("linear", opaque_linear, "CPU")
+LIBRARY.impl("linear", opaque_linear, "CPU")
 
 
 @torch.library.register_fake("pagedserve::linear")

@@ -62,7 +62,10 @@ class CppExtension:
 
     def load(self) -> ModuleType:
         """The loaded module, built first if needed. Thread-safe; a failure is logged
-        once, as a warning, and raised as `KernelUnavailableError` at every call."""
+        once, as a warning, and raised as `KernelUnavailableError` at every call. Once
+        loaded, a call takes no lock (kernels call this at every use)."""
+        if isinstance(self._result, ModuleType):
+            return self._result
         with self._lock:
             if self._result is None:
                 try:

@@ -31,16 +31,18 @@ def write_kv(
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-# Plain `Library` definitions, not `torch.library.custom_op`, as for the linear op
-# (`opaque_linear`): with custom_op, `torch.profiler` over compiled SmolLM2 int8 decode
-# steps gave the store 195 µs a call (5.8 ms a step; now 137 µs, about half of it
-# dropping the padding row) and the attention 109 µs (now 84 µs), and the compiled int8
-# batch-1 step was 0.88x eager int8's speed (now 1.04x, `bench.decode_ab`).
-_library = torch.library.Library("pagedserve", "FRAGMENT")
-_library.define(
+# The project's ops, in one library: these two, and the linear op (`opaque_linear`). Plain
+# `Library` definitions, not `torch.library.custom_op`, whose Python wrapper costs more per
+# call: with custom_op the linear cost about 20 µs more a call (one 576x576 linear), and
+# `torch.profiler` over compiled SmolLM2 int8 decode steps gave the store 195 µs a call
+# (5.8 ms a step; now 137 µs, about half of it dropping the padding row) and the attention
+# 109 µs (now 84 µs); the compiled int8 batch-1 step was 0.88x eager int8's speed (now
+# 1.04x, `bench.decode_ab`).
+LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
+LIBRARY.define(
     "store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()"
 )
-_library.define(
+LIBRARY.define(
     "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
     "Tensor query_start, Tensor context_lens, float scale) -> Tensor"
 )
@@ -72,8 +74,8 @@ def _paged_attention(
     return cpp_paged_attention(q, k_cache, v_cache, block_tables, query_start, context_lens, scale)
 
 
-_library.impl("store_kv", _store_kv, "CPU")
-_library.impl("paged_attention", _paged_attention, "CPU")
+LIBRARY.impl("store_kv", _store_kv, "CPU")
+LIBRARY.impl("paged_attention", _paged_attention, "CPU")
 store_kv = torch.ops.pagedserve.store_kv
 paged_attention = torch.ops.pagedserve.paged_attention
 
