@@ -1,4 +1,4 @@
-"""Perplexity of the model with and without int8 weight-only quantization, on a fixed text.
+"""Perplexity of the model with and without weight-only quantization, on a fixed text.
 
 Run: `python -m bench.perplexity`. The text is CPython's own `pydoc_data.topics.topics`
 (the English help topics every CPython ships), its values joined by blank lines in
@@ -30,6 +30,7 @@ from transformers.utils import logging as transformers_logging
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.quantized_linear import (
+    MODES,
     max_kernel_rows,
     quantize_linear_layers,
     unavailable_reason,
@@ -45,15 +46,14 @@ def text() -> str:
 def variants(dtype: torch.dtype) -> list[tuple[str, str, int | None]]:
     """(label, mode, kernel rows) of each model measured in `dtype`, unquantized first."""
     rows = max_kernel_rows(dtype)
-    if unavailable_reason(CPU, dtype, "int8") is not None:
-        return [("none", "none", None)]
-    if rows is None:
-        return [("none", "none", None), ("int8 (kernel at all rows)", "int8", None)]
-    return [
-        ("none", "none", None),
-        (f"int8 (dense, >{rows} rows)", "int8", rows),
-        ("int8 (kernel)", "int8", None),
-    ]
+    measured = [("none", "none", None)]
+    for mode in MODES:
+        if unavailable_reason(CPU, dtype, mode) is not None:
+            continue
+        if rows is not None:
+            measured.append((f"{mode} (dense, >{rows} rows)", mode, rows))
+        measured.append((f"{mode} (kernel)", mode, None))
+    return measured
 
 
 @torch.inference_mode()

@@ -53,7 +53,7 @@ class EngineConfig(BaseModel):
     enforce_eager: bool = True
     # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py):
     # faster decode at small batches, at some quality; see the README's "Quantization".
-    quantization: Literal["none", "int8"] = "none"
+    quantization: Literal["none", "int8", "int4"] = "none"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
@@ -63,7 +63,7 @@ class EngineConfig(BaseModel):
     def _quantization_is_cpu_only(self) -> EngineConfig:
         if self.quantization != "none" and self.device == "cuda":
             raise ValueError(
-                f"quantization '{self.quantization}' runs on the CPU only: its int8 kernel "
+                f"quantization '{self.quantization}' runs on the CPU only: its kernel "
                 "is C++ for the CPU"
             )
         return self

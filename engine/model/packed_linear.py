@@ -128,11 +128,13 @@ def pack_linear_layers(model: nn.Module) -> int:
 
 def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:
     """Swap every plain `nn.Linear` of `model` for `replacement(linear)`, in place; return
-    how many were swapped."""
+    how many were swapped (a replacement that returns the linear itself keeps it)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:
-                setattr(parent, name, replacement(child))
-                replaced += 1
+                layer = replacement(child)
+                if layer is not child:
+                    setattr(parent, name, layer)
+                    replaced += 1
     return replaced

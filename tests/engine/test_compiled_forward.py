@@ -76,8 +76,8 @@ def test_a_requests_bits_do_not_depend_on_the_batch(compiled_llm: LLM, tiny_mode
     assert counters["stats"]["unique_graphs"] == graphs + 1  # the chunked engine's
 
 
-def test_int8_linears_run_compiled_too(tiny_model_paths) -> None:
-    settings = {"kv_cache_memory": "4MiB", "quantization": "int8"}
+def test_quantized_linears_run_compiled_too(tiny_model_paths) -> None:
+    settings = {"kv_cache_memory": "4MiB", "quantization": "int4"}
     eager = LLM(str(tiny_model_paths["llama"]), **settings)
     compiled = LLM(str(tiny_model_paths["llama"]), enforce_eager=False, **settings)
     expected, got = outputs(eager, PROMPTS), outputs(compiled, PROMPTS)

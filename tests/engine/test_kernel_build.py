@@ -14,10 +14,10 @@ import pytest
 from torch.utils import cpp_extension
 
 from engine.model.attention import ATTN_IMPLEMENTATION
-from engine.model.kernels import int8_linear, paged_attention
+from engine.model.kernels import group_linear, paged_attention
 from engine.model.kernels.cpp_extension import CFLAGS, CppExtension
 
-EXTENSIONS = [paged_attention.EXTENSION, int8_linear.EXTENSION]
+EXTENSIONS = [paged_attention.EXTENSION, group_linear.EXTENSION]
 
 
 def check_as_cxx17(source: Path, module_name: str) -> subprocess.CompletedProcess[str]:

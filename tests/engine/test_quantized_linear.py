@@ -1,5 +1,6 @@
-"""Weight-only int8 linears: close to their dequantized weights, row-invariant within each
-path, switching paths at the row threshold, and served by the engine."""
+"""Group-quantized linears: the format reproduces Q4_1 weights, the kernel computes its
+stated arithmetic, rows are invariant within each path, paths switch at the row threshold,
+and the engine serves both modes."""
 
 from __future__ import annotations
 
@@ -7,17 +8,17 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig, load_config
+from engine.model.kernels import group_linear
 from engine.model.packed_linear import can_pack
 from engine.model.quantized_linear import (
+    HEAD_BITS,
+    MODES,
     QuantizedLinear,
-    dequantize_int8,
     max_kernel_rows,
-    quantize_int8,
     quantize_linear_layers,
     unavailable_reason,
 )
@@ -26,12 +27,8 @@ from server.config import resolve_serve_config
 
 CPU = torch.device("cpu")
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if unavailable_reason(CPU, d, "int8") is None]
-pytestmark = pytest.mark.skipif(not DTYPES, reason="the C++ int8 kernel cannot be built here")
-# The kernel computes in fp32 and rounds its result once: a bf16 output is within 2^-8.
-TOLERANCE = {
-    torch.float32: {"atol": 1e-5, "rtol": 1e-5},
-    torch.bfloat16: {"atol": 1e-2, "rtol": 8e-3},
-}
+pytestmark = pytest.mark.skipif(not DTYPES, reason="the C++ kernel cannot be built here")
+BITS = pytest.mark.parametrize("bits", group_linear.BITS)
 
 
 def random_linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False):
@@ -39,107 +36,159 @@ def random_linear(in_features: int, out_features: int, dtype: torch.dtype, bias:
     return nn.Linear(in_features, out_features, bias=bias, dtype=dtype)
 
 
-def test_quantization_error_is_at_most_half_a_step():
+@BITS
+def test_quantization_error_is_at_most_half_a_step(bits: int):
     weight = random_linear(256, 192, torch.float32).weight.detach()
-    codes, scales = quantize_int8(weight)
-    assert codes.abs().max() == 127
-    step = scales.float()[:, None]
-    assert ((dequantize_int8(codes, scales) - weight).abs() <= step * 0.51).all()
+    codes, scales, offsets = group_linear.quantize(weight, bits)
+    assert scales.dtype == offsets.dtype == torch.float16
+    assert int(codes.max()) == 2**bits - 1 and int(codes.min()) == 0
+    step = scales.float().repeat_interleave(group_linear.GROUP, dim=1)
+    error = (group_linear.dequantize(codes, scales, offsets) - weight).abs()
+    assert (error <= step * 0.51 + 1e-3 * step.max()).all()  # + the fp16 offsets' rounding
 
 
-# Input counts: whole vectors (576), an odd number of AVX2 vectors (200), and a scalar tail.
-IN_FEATURES = pytest.mark.parametrize("in_features", [576, 200, 203])
+def test_requantizing_q4_1_weights_gives_them_back():
+    """GGUF's Q4_1 blocks (fp16 scale d and minimum m per 32, w = d * q + m, with codes 0
+    and 15 in every block) come back exactly: the default model's linears are such."""
+    torch.manual_seed(0)
+    n, k = 64, 256
+    d = (torch.rand(n, k // 32) * 0.01 + 1e-3).half()
+    m = (-torch.rand(n, k // 32) * 0.1).half()
+    q = torch.randint(0, 16, (n, k // 32, 32))
+    q[..., 0], q[..., 1] = 0, 15
+    weight = (d.float()[..., None] * q + m.float()[..., None]).reshape(n, k)
+    codes, scales, offsets = group_linear.quantize(weight, 4)
+    assert torch.equal(codes.reshape(n, k // 32, 32), q.to(torch.uint8))
+    assert torch.equal(scales, d) and torch.equal(offsets, m)
+    assert torch.equal(group_linear.dequantize(codes, scales, offsets), weight)
 
 
-@IN_FEATURES
+def stated_arithmetic(x: torch.Tensor, codes, scales, offsets) -> torch.Tensor:
+    """The kernel's arithmetic (its source's "Arithmetic") in float64: each group of 32
+    inputs quantized to int8 by its max |x| / 127, integer sums, then scale and offset."""
+    rows, k = x.shape
+    groups = x.double().reshape(rows, k // 32, 32)
+    amax = groups.float().abs().amax(dim=2)
+    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    xq = torch.round(groups.float() * inverse[..., None]).double()
+    isum = torch.einsum("mgi,ngi->mng", xq, codes.double().reshape(-1, k // 32, 32))
+    step = scales.double()[None] * (amax / 127.0).double()[:, None]
+    return (isum * step + offsets.double()[None] * groups.sum(dim=2)[:, None]).sum(dim=2)
+
+
+@BITS
+@pytest.mark.parametrize("out_features", [192, 50])  # whole tiles of 16, and a partial one
+def test_the_kernel_computes_its_stated_arithmetic(bits: int, out_features: int):
+    weight = random_linear(576, out_features, torch.float32).weight.detach()
+    codes, scales, offsets = group_linear.quantize(weight, bits)
+    packed = group_linear.pack(codes, scales, offsets, bits)
+    x = torch.randn(7, 576)
+    x[1, :32] = 0  # a group of zeros has scale 0
+    out = group_linear.group_linear(x, packed)
+    assert out.shape == (7, out_features) and out.dtype == torch.float32
+    expected = stated_arithmetic(x, codes, scales, offsets)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+    # The inputs' quantization is a small error against the dequantized weight itself.
+    dense = x @ group_linear.dequantize(codes, scales, offsets).T
+    assert (out - dense).abs().max() < 0.03 * dense.abs().max()
+
+
+@BITS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_computes_the_dequantized_weight(dtype: torch.dtype, in_features: int):
-    linear = random_linear(in_features, 192, dtype, bias=True)
-    layer = QuantizedLinear(linear, None)
-    dequantized = dequantize_int8(*quantize_int8(linear.weight.detach()))
-    x = torch.randn(2, 3, in_features).to(dtype)
+def test_the_layer_computes_the_kernel_in_its_dtype_with_bias(dtype: torch.dtype, bits: int):
+    linear = random_linear(128, 48, dtype, bias=True)
+    layer = QuantizedLinear(linear, bits, None)
+    x = torch.randn(2, 3, 128).to(dtype)
     with torch.inference_mode():
         out = layer(x)
-        expected = F.linear(x.float(), dequantized, linear.bias.float())
-    assert out.shape == (2, 3, 192) and out.dtype == dtype
-    torch.testing.assert_close(out.float(), expected, **TOLERANCE[dtype])
+    assert out.shape == (2, 3, 48) and out.dtype == dtype
+    expected = group_linear.group_linear(x.reshape(6, 128), layer.weight).to(dtype) + linear.bias
+    assert torch.equal(out, expected.reshape(2, 3, 48))
 
 
-@IN_FEATURES
+@BITS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(
-    dtype: torch.dtype, in_features: int
-):
-    layer = QuantizedLinear(random_linear(in_features, 192, dtype), None)
-    x = torch.randn(40, in_features).to(dtype)
+def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.dtype, bits: int):
+    layer = QuantizedLinear(random_linear(576, 200, dtype), bits, None)
+    x = torch.randn(40, 576).to(dtype)
     with torch.inference_mode():
         reference = layer.kernel(x)
         for rows in range(1, 41):
             differing = (layer.kernel(x[:rows]) != reference[:rows]).any(dim=1).sum().item()
             assert differing == 0, f"{differing} of {rows} rows differ"
+        for start in (3, 17):  # a row computed beside others, or in another run of 4
+            assert torch.equal(layer.kernel(x[start : start + 5]), reference[start : start + 5])
 
 
 def test_the_layer_switches_to_the_dense_path_above_its_row_threshold():
     rows = max_kernel_rows(torch.float32)
     assert rows is not None
-    layer = QuantizedLinear(random_linear(128, 64, torch.float32, bias=True), rows)
+    layer = QuantizedLinear(random_linear(128, 64, torch.float32, bias=True), 4, rows)
     with torch.inference_mode():
         small, large = torch.randn(1, rows, 128), torch.randn(rows + 1, 128)
         assert torch.equal(layer(small), layer.kernel(small))
         assert torch.equal(layer(large), layer.dense(large))
-        # Both paths compute the same quantized weights, in sums of different orders.
-        torch.testing.assert_close(layer.kernel(large), layer.dense(large))
+        # Both paths compute the same weights; the kernel quantizes its inputs too.
+        torch.testing.assert_close(layer.kernel(large), layer.dense(large), rtol=0.05, atol=0.05)
 
 
-def test_every_plain_linear_is_quantized():
+def test_linears_whose_inputs_are_not_whole_groups_stay_as_they_are():
     model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 7))
-    assert quantize_linear_layers(model, "int8", None) == 2
-    assert all(isinstance(layer, QuantizedLinear) for layer in model)
+    assert quantize_linear_layers(model, "int8", None) == 1
+    assert isinstance(model[0], QuantizedLinear) and type(model[1]) is nn.Linear
     assert model(torch.randn(3, 64)).shape == (3, 7)
 
 
 def test_bf16_keeps_a_dense_copy_only_where_onednn_packs_it():
     rows = max_kernel_rows(torch.bfloat16)
     assert (rows is None) == (not can_pack(CPU, torch.bfloat16))
-    layer = QuantizedLinear(random_linear(128, 64, torch.bfloat16), rows)
+    layer = QuantizedLinear(random_linear(128, 64, torch.bfloat16), 8, rows)
     assert (layer.dense is None) == (rows is None)
 
 
 def test_quantization_runs_only_on_the_cpu_in_fp32_and_bf16():
-    assert "CPU only" in unavailable_reason(torch.device("cuda"), torch.float32, "int8")
+    assert "CPU only" in unavailable_reason(torch.device("cuda"), torch.float32, "int4")
     assert "float32 or bfloat16" in unavailable_reason(CPU, torch.float16, "int8")
-    assert "unknown mode 'int4'" in unavailable_reason(CPU, torch.float32, "int4")
+    assert "unknown mode 'int2'" in unavailable_reason(CPU, torch.float32, "int2")
 
 
 def test_quantization_on_cuda_or_in_fp16_is_a_config_error(tiny_model_paths: dict[str, Path]):
     with pytest.raises(ConfigError, match="CPU only"):
-        load_config(EngineConfig, overrides={"device": "cuda", "quantization": "int8"}, environ={})
+        load_config(EngineConfig, overrides={"device": "cuda", "quantization": "int4"}, environ={})
     with pytest.raises(ConfigError, match=r"quantization 'int8' cannot run .*float32 or bfloat16"):
         LLM(str(tiny_model_paths["llama"]), dtype="float16", quantization="int8")
 
 
 def test_the_server_takes_quantization_from_flags_and_the_environment():
-    args = build_parser().parse_args(["serve", "--quantization", "int8"])
+    args = build_parser().parse_args(["serve", "--quantization", "int4"])
     config = resolve_serve_config(None, {"quantization": args.quantization}, {})
-    assert config.engine_config().quantization == "int8"
+    assert config.engine_config().quantization == "int4"
     config = resolve_serve_config(None, {}, {"PAGEDSERVE_QUANTIZATION": "int8"})
     assert config.engine_config().quantization == "int8"
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--quantization", "int4"])
+        build_parser().parse_args(["serve", "--quantization", "int2"])
 
 
+@pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_engine_serves_a_quantized_model_alike_alone_and_batched(
-    tiny_model_paths: dict[str, Path], dtype: torch.dtype
+    tiny_model_paths: dict[str, Path], dtype: torch.dtype, mode: str
 ):
     """Prompts of more rows than the threshold prefill on the dense path, alone or together,
     and three sequences decode on the kernel path alone or together: both row-invariant."""
     name = str(dtype).removeprefix("torch.")
+    # Without prefix caching: a prefix hit would leave a prompt's rest to the kernel path.
     llm = LLM(
-        str(tiny_model_paths["llama"]), dtype=name, quantization="int8", kv_cache_memory="16MiB"
+        str(tiny_model_paths["llama"]),
+        dtype=name,
+        quantization=mode,
+        kv_cache_memory="16MiB",
+        enable_prefix_caching=False,
     )
-    assert any(isinstance(m, QuantizedLinear) for m in llm.engine.model.modules())
-    assert not any(type(m) is nn.Linear for m in llm.engine.model.modules())
+    model = llm.engine.model
+    assert not any(type(m) is nn.Linear for m in model.modules())
+    assert model.get_output_embeddings().bits == HEAD_BITS
+    assert model.model.layers[0].mlp.down_proj.bits == MODES[mode]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
     threshold = max_kernel_rows(dtype) or 0  # None: the kernel at every row count
     prompts = [list(range(5, 5 + threshold + n)) for n in (2, 5, 8)]
@@ -152,9 +201,21 @@ def test_engine_serves_a_quantized_model_alike_alone_and_batched(
     assert llm.engine.stats().used_kv_blocks == 0
 
 
+def test_int4_computes_the_default_models_own_q4_1_weights(default_model):
+    """The default model's linears were converted from Q4_1: 4 bits give them back."""
+    for linear in (
+        default_model.model.model.layers[0].self_attn.q_proj,
+        default_model.model.model.layers[29].mlp.down_proj,
+    ):
+        weight = linear.weight.detach()
+        codes, scales, offsets = group_linear.quantize(weight, 4)
+        assert torch.equal(group_linear.dequantize(codes, scales, offsets), weight)
+
+
 @pytest.mark.slow
-def test_the_quantized_default_model_still_knows_its_capitals():
-    llm = LLM("default", quantization="int8", kv_cache_memory="32MiB", max_model_len=256)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_quantized_default_model_still_knows_its_capitals(mode: str):
+    llm = LLM("default", quantization=mode, kv_cache_memory="32MiB", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=8)
     output = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert "Paris" in output.outputs[0].text

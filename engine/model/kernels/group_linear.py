@@ -7,9 +7,10 @@ the codes from a weight (each group's minimum and maximum are codes 0 and 2^bits
 `pack` lays them out for the kernel, `group_linear` runs it.
 
 Scales and offsets are fp16, as GGUF stores them (a scale below fp16's normal range,
-6.1e-5, keeps fewer significant bits; one beyond its range, 65504, is refused): re-quantizing a weight that was converted from a Q4_1 GGUF (the default
-model's linears) to 4 bits gives back its very codes, scales and offsets, so the
-quantized model computes the file's own weights.
+6.1e-5, keeps fewer significant bits; one beyond its range, 65504, is refused):
+re-quantizing a weight that was converted from a Q4_1 GGUF (the default model's linears)
+to 4 bits gives back its very codes, scales and offsets, so the quantized model computes
+the file's own weights.
 """
 
 from __future__ import annotations
