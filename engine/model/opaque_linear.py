@@ -48,7 +48,7 @@ class OpaqueLinear(nn.Module, ABC):
         """`x W^T (+ b)` over the last axis of `x`, computed eagerly."""
 
 
-def _layer(handle: int) -> OpaqueLinear:
+def layer(handle: int) -> OpaqueLinear:
     layer = _layers[handle]()
     if layer is None:
         raise RuntimeError(f"linear layer {handle} was freed while compiled code still calls it")
@@ -61,7 +61,7 @@ LIBRARY.define("linear(Tensor x, int handle) -> Tensor")
 
 def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     """`compute(x)` of the registered layer `handle` (the op's CPU kernel)."""
-    return _layer(handle).compute(x)
+    return layer(handle).compute(x)
 
 
 LIBRARY.impl("linear", opaque_linear, "CPU")
@@ -69,4 +69,4 @@ LIBRARY.impl("linear", opaque_linear, "CPU")
 
 @torch.library.register_fake("pagedserve::linear")
 def _(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], _layer(handle).out_features)
+    return x.new_empty(*x.shape[:-1], layer(handle).out_features)

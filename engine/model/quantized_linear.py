@@ -36,11 +36,13 @@ Invariants of a `QuantizedLinear`:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
 from engine.model.kernels import group_linear
-from engine.model.opaque_linear import OpaqueLinear
+from engine.model.opaque_linear import OpaqueLinear, layer, opaque_linear
 from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_layers
 
 # Bits of the decoder's linears per mode; the LM head takes HEAD_BITS in every mode.
@@ -101,6 +103,17 @@ class QuantizedLinear(OpaqueLinear):
             plain.weight = nn.Parameter(dequantized, requires_grad=False)
             plain.bias = linear.bias
             self.dense = PackedLinear(plain)
+        extension = _load_op()
+        extension.register_layer(
+            self.handle, self.weight.codes, self.weight.scales, self.weight.offsets, bits,
+            self.in_features, self.out_features, -1 if kernel_rows is None else kernel_rows,
+            self.bias,
+        )  # fmt: skip
+        weakref.finalize(self, extension.unregister_layer, self.handle)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """`pagedserve::quantized_linear`, the C++ op, in eager steps and compiled graphs."""
+        return torch.ops.pagedserve.quantized_linear(x, self.handle)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
@@ -111,9 +124,9 @@ class QuantizedLinear(OpaqueLinear):
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The quantized kernel over any number of rows."""
         flat = x.reshape(-1, self.in_features)
-        y = group_linear.group_linear(flat, self.weight).to(x.dtype)
-        y = y.reshape(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
+        y = group_linear.group_linear(flat, self.weight)
+        y = y if self.bias is None else y + self.bias
+        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         rows = "all" if self.kernel_rows is None else f"<={self.kernel_rows}"
@@ -121,6 +134,25 @@ class QuantizedLinear(OpaqueLinear):
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.bits}-bit groups of {group_linear.GROUP}, kernel rows {rows}"
         )
+
+
+_op_loaded = False
+
+
+def _load_op():
+    """The kernel's extension, once it has defined `pagedserve::quantized_linear` (loading
+    it registers the op) and the op has its fake and its dense fallback."""
+    global _op_loaded
+    extension = group_linear.EXTENSION.load()
+    if not _op_loaded:
+        torch.library.register_fake("pagedserve::quantized_linear")(_fake_quantized_linear)
+        extension.set_dense_fallback(opaque_linear)
+        _op_loaded = True
+    return extension
+
+
+def _fake_quantized_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], layer(handle).out_features)
 
 
 @torch.inference_mode()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.model.kernels.paged_attention import paged_attention as cpp_paged_attention
+from engine.model.kernels.paged_attention import store_kv as cpp_store_kv
 
 
 def write_kv(
@@ -35,9 +36,8 @@ def write_kv(
 # `Library` definitions, not `torch.library.custom_op`, whose Python wrapper costs more per
 # call: with custom_op the linear cost about 20 µs more a call (one 576x576 linear), and
 # `torch.profiler` over compiled SmolLM2 int8 decode steps gave the store 195 µs a call
-# (5.8 ms a step; now 137 µs, about half of it dropping the padding row) and the attention
-# 109 µs (now 84 µs); the compiled int8 batch-1 step was 0.88x eager int8's speed (now
-# 1.04x, `bench.decode_ab`).
+# (5.8 ms a step; then 137 µs, about half of it dropping the padding row by a mask, which
+# the C++ store now skips) and the attention 109 µs (then 84 µs).
 LIBRARY = torch.library.Library("pagedserve", "FRAGMENT")
 LIBRARY.define(
     "store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()"
@@ -52,11 +52,9 @@ def _store_kv(
     key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
 ) -> None:
     """Write key and value `[T, Hkv, D]` into `kv_cache[layer]` at `slots` `[T]`; a token
-    whose slot is negative (a padding row) is not written."""
-    keep = slots >= 0
-    if not bool(keep.all()):
-        key, value, slots = key[keep], value[keep], slots[keep]
-    write_kv(key, value, *kv_cache[layer], slots)
+    whose slot is negative (a padding row) is not written. The C++ kernel's store: the
+    same copies as `write_kv`, without a mask or a host sync to drop padding rows."""
+    cpp_store_kv(key, value, kv_cache, layer, slots)
 
 
 def _paged_attention(

@@ -28,14 +28,26 @@
 // (outputs >= N, not written).
 //
 // Inputs: x [M, K] fp32 or bf16 with K a multiple of 32; returns [M, N] fp32.
+//
+// The op `pagedserve::quantized_linear(x, handle)` runs a registered layer (`register_layer`:
+// its packed weight, bias and row threshold) in C++ from end to end, with no Python between
+// the caller and the kernel: `quantized_linear.QuantizedLinear` calls it in eager steps and
+// compiled graphs alike (211 calls a SmolLM2 step). A call of more rows than the layer's
+// threshold calls back the Python function given to `set_dense_fallback` (the layer's dense
+// path), where a call's arithmetic outweighs that cost.
 
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
+
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
+#include <optional>
+#include <unordered_map>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
@@ -259,9 +271,68 @@ torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
   return out;
 }
 
+// Layers registered for the op, by handle (the Python layer's `OpaqueLinear.handle`).
+struct Layer {
+  torch::Tensor codes, scales, offsets;
+  int64_t bits, in_features, out_features;
+  int64_t kernel_rows;  // < 0: the kernel at every row count
+  std::optional<torch::Tensor> bias;
+};
+
+std::mutex registry_mutex;
+std::unordered_map<int64_t, Layer> registry;
+// The Python function (x, handle) -> y for calls above a layer's threshold; never freed
+// (it would outlive the interpreter as a static).
+py::object* dense_fallback = nullptr;
+
+void register_layer(int64_t handle, torch::Tensor codes, torch::Tensor scales,
+                    torch::Tensor offsets, int64_t bits, int64_t in_features,
+                    int64_t out_features, int64_t kernel_rows, std::optional<torch::Tensor> bias) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  registry[handle] = Layer{codes, scales, offsets, bits, in_features, out_features, kernel_rows,
+                           bias};
+}
+
+void unregister_layer(int64_t handle) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  registry.erase(handle);
+}
+
+void set_dense_fallback(py::object function) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  delete dense_fallback;
+  dense_fallback = new py::object(std::move(function));
+}
+
+torch::Tensor quantized_linear(const torch::Tensor& x, int64_t handle) {
+  Layer layer;
+  {
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    const auto found = registry.find(handle);
+    TORCH_CHECK(found != registry.end(), "quantized_linear: no layer ", handle);
+    layer = found->second;
+  }
+  const int64_t rows = x.numel() / layer.in_features;
+  if (layer.kernel_rows >= 0 && rows > layer.kernel_rows) {
+    TORCH_CHECK(dense_fallback != nullptr, "quantized_linear: no dense fallback is set");
+    py::gil_scoped_acquire gil;
+    return (*dense_fallback)(x, handle).cast<torch::Tensor>();
+  }
+  torch::Tensor y = group_linear(x.reshape({rows, layer.in_features}), layer.codes, layer.scales,
+                                 layer.offsets, layer.bits, layer.out_features);
+  if (layer.bias.has_value()) y.add_(*layer.bias);
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = layer.out_features;
+  return y.to(x.scalar_type()).view(shape);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("register_layer", &register_layer, "register a layer for the op under `handle`");
+  m.def("unregister_layer", &unregister_layer, "forget the layer registered under `handle`");
+  m.def("set_dense_fallback", &set_dense_fallback,
+        "the Python function (x, handle) -> y for calls above a layer's row threshold");
   m.def("group_linear", &group_linear,
         "x [M, K] @ W^T for W packed as group-quantized codes -> [M, N] fp32", py::arg("x"),
         py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
@@ -271,4 +342,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("instruction_set") = "scalar";
 #endif
+}
+
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("quantized_linear(Tensor x, int handle) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("quantized_linear", &quantized_linear);
 }

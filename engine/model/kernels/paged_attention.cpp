@@ -594,10 +594,48 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 
 }  // namespace
 
+// Writes key and value [T, Hkv, D] into layer `layer` of the KV tensor [L, 2, blocks,
+// block_size, Hkv, D] at the flat slots [T]; a token whose slot is negative (a padding row
+// of a compiled step) is not written. One copy per token row, no masks or host syncs: the
+// compiled forward's store, 30 calls a SmolLM2 step.
+void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
+              int64_t layer, const torch::Tensor& slots) {
+  TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
+              "store_kv takes a contiguous CPU KV tensor [L, 2, blocks, block_size, Hkv, D]");
+  TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() &&
+                  key.size(1) == kv_cache.size(4) && key.size(2) == kv_cache.size(5),
+              "store_kv: key and value must be [T, Hkv, D] of the cache's heads");
+  TORCH_CHECK(key.scalar_type() == kv_cache.scalar_type() &&
+                  value.scalar_type() == kv_cache.scalar_type(),
+              "store_kv: key, value and cache dtypes differ");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == key.size(0),
+              "store_kv: slots must be int64 [T]");
+  const torch::Tensor k = key.contiguous(), v = value.contiguous(), s = slots.contiguous();
+  const int64_t row_bytes = k.size(1) * k.size(2) * k.element_size();
+  const int64_t slots_per_layer = kv_cache.size(2) * kv_cache.size(3);
+  auto* base = static_cast<char*>(kv_cache.data_ptr());
+  char* k_layer = base + (layer * 2) * slots_per_layer * row_bytes;
+  char* v_layer = k_layer + slots_per_layer * row_bytes;
+  const auto* k_rows = static_cast<const char*>(k.data_ptr());
+  const auto* v_rows = static_cast<const char*>(v.data_ptr());
+  const int64_t* slot = s.data_ptr<int64_t>();
+  for (int64_t t = 0; t < k.size(0); ++t) {
+    if (slot[t] < 0) continue;
+    TORCH_CHECK(slot[t] < slots_per_layer, "store_kv: slot ", slot[t], " is out of range");
+    std::memcpy(k_layer + slot[t] * row_bytes, k_rows + t * row_bytes, row_bytes);
+    std::memcpy(v_layer + slot[t] * row_bytes, v_rows + t * row_bytes, row_bytes);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Causal attention over a paged KV cache for decode rows and prefill chunks: "
         "q [T, H, D] -> [T, H, D]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("query_start"), py::arg("context_lens"), py::arg("scale"));
+  m.def("store_kv", &store_kv,
+        "write key and value [T, Hkv, D] into kv_cache[layer] at slots [T], skipping "
+        "negative slots",
+        py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("layer"),
+        py::arg("slots"));
 }
