@@ -66,8 +66,8 @@ RUN pip install --no-deps /build
 # different CPU their folder names (a hash of the CPU flags) do not match: the server logs
 # one warning and attends with torch, and `quantization: int8` stops with a ConfigError.
 RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
-import load_attention_kernel; from engine.model.kernels import int8_linear; \
-assert load_attention_kernel() is not None; int8_linear.EXTENSION.load()"
+import load_attention_kernel; from engine.model.kernels import group_linear; \
+assert load_attention_kernel() is not None; group_linear.EXTENSION.load()"
 # Only /opt/pagedserve leaves this stage, so what the server never loads is deleted here,
 # after the kernel build that needed some of it: torch's C++ headers and CMake files (for
 # compiling extensions; the runtime image has no compiler), torch's C++ test programs

@@ -1,10 +1,11 @@
-"""Linear layers per row count: the engine's dense linear against the int8 kernel.
+"""Linear layers per row count: the engine's dense linear against the quantized kernel.
 
 Run: `python -m bench.linear_kernels`. SmolLM2-135M's linear shapes (q/o 576x576, k/v
 192x576, gate/up 1536x576, down 576x1536, the LM head 49152x576) at 1 to 32 rows, in
 fp32 and bf16. `dense` is what the engine runs without quantization (`PackedLinear`
-where oneDNN packs the dtype, else `F.linear`); `int8` is `QuantizedLinear.kernel`, the
-path `quantization: int8` takes up to its row threshold.
+where oneDNN packs the dtype, else `F.linear`); `int8` and `int4` are the quantized
+layers' C++ op at 8 and 4 bits (the LM head at 8 bits in both, as the modes have it),
+the path `quantization: int8 | int4` takes up to its row threshold.
 
 Each shape has as many distinct weights as one decode step of the model has (60 q/o,
 60 k/v, 60 gate/up, 30 down, one head), and successive calls walk them, so that weights
@@ -26,7 +27,7 @@ import torch
 from torch import nn
 
 from engine.model.packed_linear import PackedLinear, can_pack
-from engine.model.quantized_linear import QuantizedLinear
+from engine.model.quantized_linear import HEAD_BITS, MODES, QuantizedLinear
 
 CPU = torch.device("cpu")
 NUM_LAYERS = 30
@@ -41,14 +42,15 @@ SHAPES = {
 
 
 def layers(
-    out_features: int, in_features: int, count: int, dtype: torch.dtype
+    out_features: int, in_features: int, count: int, dtype: torch.dtype, head: bool
 ) -> dict[str, list[Callable]]:
-    """Both paths over `count` random weights."""
-    paths: dict[str, list[Callable]] = {"dense": [], "int8": []}
+    """Every path over `count` random weights."""
+    paths: dict[str, list[Callable]] = {"dense": [], **{mode: [] for mode in MODES}}
     for _ in range(count):
         linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
         paths["dense"].append(PackedLinear(linear) if can_pack(CPU, dtype) else linear)
-        paths["int8"].append(QuantizedLinear(linear, None).kernel)
+        for mode, bits in MODES.items():
+            paths[mode].append(QuantizedLinear(linear, HEAD_BITS if head else bits, None))
     return paths
 
 
@@ -79,14 +81,20 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)  # the clock counts the calling thread only
     print(f"1 thread, {torch.backends.cpu.get_cpu_capability()}; µs of CPU time, median")
+    names = ["dense", *MODES]
     for dtype_name in args.dtypes:
         dtype = getattr(torch, dtype_name)
         dense_kind = "PackedLinear" if can_pack(CPU, dtype) else "F.linear"
         print(f"\n{dtype_name} (dense: {dense_kind})")
-        print(f"{'shape':>8} | {'rows':>4} | {'dense':>9} | {'int8':>9} | dense/int8")
-        totals = {m: {"dense": 0.0, "int8": 0.0} for m in args.rows}
+        print(
+            f"{'shape':>8} | {'rows':>4} | "
+            + " | ".join(f"{n:>9}" for n in names)
+            + " | dense/"
+            + " | dense/".join(MODES)
+        )
+        totals = {m: dict.fromkeys(names, 0.0) for m in args.rows}
         for shape, (out_features, in_features, count) in SHAPES.items():
-            paths = layers(out_features, in_features, count, dtype)
+            paths = layers(out_features, in_features, count, dtype, head=shape == "head")
             for m in args.rows:
                 x = torch.randn(m, in_features).to(dtype)
                 with torch.inference_mode():
@@ -99,10 +107,9 @@ def main() -> None:
 
 
 def row(label: str, rows: int, seconds: dict[str, float]) -> str:
-    dense, int8 = seconds["dense"], seconds["int8"]
-    return (
-        f"{label:>8} | {rows:>4} | {dense * 1e6:>9.1f} | {int8 * 1e6:>9.1f} | {dense / int8:>10.2f}"
-    )
+    times = " | ".join(f"{value * 1e6:>9.1f}" for value in seconds.values())
+    ratios = " | ".join(f"{seconds['dense'] / seconds[mode]:>10.2f}" for mode in MODES)
+    return f"{label:>8} | {rows:>4} | {times} | {ratios}"
 
 
 if __name__ == "__main__":

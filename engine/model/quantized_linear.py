@@ -123,10 +123,8 @@ class QuantizedLinear(OpaqueLinear):
 
     def kernel(self, x: torch.Tensor) -> torch.Tensor:
         """The quantized kernel over any number of rows."""
-        flat = x.reshape(-1, self.in_features)
-        y = group_linear.group_linear(flat, self.weight)
-        y = y if self.bias is None else y + self.bias
-        return y.to(x.dtype).reshape(*x.shape[:-1], self.out_features)
+        y = group_linear.group_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
+        return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         rows = "all" if self.kernel_rows is None else f"<={self.kernel_rows}"

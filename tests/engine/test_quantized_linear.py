@@ -102,9 +102,9 @@ def test_the_layer_computes_the_kernel_in_its_dtype_with_bias(dtype: torch.dtype
     with torch.inference_mode():
         out = layer(x)
     assert out.shape == (2, 3, 48) and out.dtype == dtype
-    # The C++ op and the layer's Python path: fp32 output plus bias, rounded once.
-    expected = group_linear.group_linear(x.reshape(6, 128), layer.weight) + linear.bias
-    assert torch.equal(out, expected.to(dtype).reshape(2, 3, 48))
+    # The C++ op and the layer's Python path: the fp32 result plus the bias, rounded once.
+    fp32 = group_linear.group_linear(x.reshape(6, 128).float(), layer.weight) + linear.bias.float()
+    assert torch.equal(out, fp32.to(dtype).reshape(2, 3, 48))
     assert torch.equal(out, layer.kernel(x))
 
 
@@ -222,3 +222,29 @@ def test_the_quantized_default_model_still_knows_its_capitals(mode: str):
     output = llm.generate(["The capital of France is"], params, use_tqdm=False)[0]
     assert "Paris" in output.outputs[0].text
     assert llm.engine.stats().used_kv_blocks == 0
+
+
+@pytest.mark.slow
+def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
+    """The kernel's scalar twin (built with PAGEDSERVE_SCALAR_TWIN), which CPUs without
+    AVX512-VNNI run, computes the same bits as the build this CPU runs."""
+    from torch.utils import cpp_extension
+
+    twin = cpp_extension.load(
+        name="pagedserve_group_linear_scalar_twin",
+        sources=[str(group_linear.EXTENSION.source)],
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-DPAGEDSERVE_SCALAR_TWIN"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(tmp_path),
+    )
+    assert twin.instruction_set == "scalar"
+    torch.manual_seed(0)
+    for bits in group_linear.BITS:
+        weight = torch.randn(50, 192)
+        packed = group_linear.pack(*group_linear.quantize(weight, bits), bits)
+        bias = torch.randn(50)
+        for dtype in DTYPES:
+            x = torch.randn(6, 192).to(dtype)
+            args = (packed.codes, packed.scales, packed.offsets, bits, 50, bias)
+            expected = group_linear.group_linear(x, packed, bias)
+            assert torch.equal(twin.group_linear(x, *args), expected)

@@ -27,7 +27,8 @@
 // fp16 [tiles, K / 32, 16], as GGUF stores them. The last tile may be partly padding
 // (outputs >= N, not written).
 //
-// Inputs: x [M, K] fp32 or bf16 with K a multiple of 32; returns [M, N] fp32.
+// Inputs: x [M, K] fp32 or bf16 with K a multiple of 32, an optional bias [N]; returns
+// [M, N] in x's dtype: the fp32 result plus the bias, rounded once.
 //
 // The op `pagedserve::quantized_linear(x, handle)` runs a registered layer (`register_layer`:
 // its packed weight, bias and row threshold) in C++ from end to end, with no Python between
@@ -50,7 +51,10 @@
 #include <unordered_map>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+// PAGEDSERVE_SCALAR_TWIN builds the scalar code on any CPU and leaves the op out: the
+// tests build that twin to check that both give the same bits.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && \
+    !defined(PAGEDSERVE_SCALAR_TWIN)
 #include <immintrin.h>
 #define PAGEDSERVE_VNNI 1
 #endif
@@ -70,23 +74,26 @@ struct QuantizedRows {
   std::vector<float> sums;
 };
 
-QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
+template <typename T>
+QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k) {
   const int64_t groups = k / kGroup;
   QuantizedRows q{std::vector<int8_t>(m * k), std::vector<float>(m * groups),
                   std::vector<float>(m * groups)};
+  float values[kGroup];
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t g = 0; g < groups; ++g) {
-      const float* p = x + r * k + g * kGroup;
+      const T* p = x + r * k + g * kGroup;
       float amax = 0.0f;
       float sum = 0.0f;
       for (int64_t i = 0; i < kGroup; ++i) {
-        amax = std::max(amax, std::fabs(p[i]));
-        sum += p[i];
+        values[i] = static_cast<float>(p[i]);
+        amax = std::max(amax, std::fabs(values[i]));
+        sum += values[i];
       }
       const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
       int8_t* out = q.codes.data() + r * k + g * kGroup;
       for (int64_t i = 0; i < kGroup; ++i) {
-        out[i] = static_cast<int8_t>(std::nearbyint(p[i] * inverse));
+        out[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
       }
       q.scales[r * groups + g] = amax / 127.0f;
       q.sums[r * groups + g] = sum;
@@ -94,6 +101,15 @@ QuantizedRows quantize_rows(const float* x, int64_t m, int64_t k) {
   }
   return q;
 }
+
+// Where a tile's results go: rows of `stride` elements, fp32 or bf16 (rounded to nearest
+// even, as torch rounds), after adding the fp32 bias (or nothing).
+struct Output {
+  void* data;
+  bool bf16;
+  int64_t stride;
+  const float* bias;
+};
 
 struct Weights {
   const uint8_t* codes;
@@ -110,16 +126,26 @@ inline __m512 load_halves(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
+// fp32 to bf16, rounded to nearest even, NaN to 0x7FC0: c10::BFloat16's conversion.
+inline __m256i to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded =
+      _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF))), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, _mm512_set1_epi32(0x7FC0)));
+}
+
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, sizeof(v));
   return _mm512_set1_epi32(v);
 }
 
-// Rows r0..r0+Rows-1 against tile t: out[r][0..15] (fp32, row stride n_out).
+// Rows r0..r0+Rows-1 against tile t, into the tile's columns of those rows of `out`.
 template <int64_t Rows, int64_t Bits>
-void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, float* out,
-               int64_t out_stride, int64_t valid) {
+void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, const Output& out,
+               int64_t valid) {
   const int64_t k = w.k;
   const int64_t groups = k / kGroup;
   const uint8_t* codes = w.codes + t * w.tile_bytes();
@@ -163,15 +189,25 @@ void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, 
     }
   }
   const __mmask16 mask = valid >= kTile ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-  for (int64_t r = 0; r < Rows; ++r) _mm512_mask_storeu_ps(out + r * out_stride, mask, acc[r]);
+  const __m512 bias = out.bias != nullptr ? _mm512_maskz_loadu_ps(mask, out.bias + t * kTile)
+                                          : _mm512_setzero_ps();
+  for (int64_t r = 0; r < Rows; ++r) {
+    const __m512 y = _mm512_add_ps(acc[r], bias);
+    const int64_t first = (r0 + r) * out.stride + t * kTile;
+    if (out.bf16) {
+      _mm256_mask_storeu_epi16(static_cast<at::BFloat16*>(out.data) + first, mask, to_bf16(y));
+    } else {
+      _mm512_mask_storeu_ps(static_cast<float*>(out.data) + first, mask, y);
+    }
+  }
 }
 
 #else
 
 // The same arithmetic in scalar code, for CPUs without AVX512-VNNI.
 template <int64_t Rows, int64_t Bits>
-void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, float* out,
-               int64_t out_stride, int64_t valid) {
+void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, const Output& out,
+               int64_t valid) {
   const int64_t k = w.k;
   const int64_t groups = k / kGroup;
   const uint8_t* codes = w.codes + t * w.tile_bytes();
@@ -207,7 +243,15 @@ void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, 
     }
   }
   for (int64_t r = 0; r < Rows; ++r) {
-    std::copy(acc[r], acc[r] + std::min(valid, kTile), out + r * out_stride);
+    const int64_t first = (r0 + r) * out.stride + t * kTile;
+    for (int64_t lane = 0; lane < std::min(valid, kTile); ++lane) {
+      const float y = acc[r][lane] + (out.bias != nullptr ? out.bias[t * kTile + lane] : 0.0f);
+      if (out.bf16) {
+        static_cast<at::BFloat16*>(out.data)[first + lane] = at::BFloat16(y);
+      } else {
+        static_cast<float*>(out.data)[first + lane] = y;
+      }
+    }
   }
 }
 
@@ -215,12 +259,12 @@ void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, 
 
 template <int64_t Bits>
 void tile_run(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, int64_t rows,
-              float* out, int64_t out_stride, int64_t valid) {
+              const Output& out, int64_t valid) {
   switch (rows) {
-    case 1: return tile_rows<1, Bits>(w, t, q, r0, out, out_stride, valid);
-    case 2: return tile_rows<2, Bits>(w, t, q, r0, out, out_stride, valid);
-    case 3: return tile_rows<3, Bits>(w, t, q, r0, out, out_stride, valid);
-    default: return tile_rows<4, Bits>(w, t, q, r0, out, out_stride, valid);
+    case 1: return tile_rows<1, Bits>(w, t, q, r0, out, valid);
+    case 2: return tile_rows<2, Bits>(w, t, q, r0, out, valid);
+    case 3: return tile_rows<3, Bits>(w, t, q, r0, out, valid);
+    default: return tile_rows<4, Bits>(w, t, q, r0, out, valid);
   }
 }
 
@@ -228,10 +272,11 @@ static_assert(kRowRun == 4, "tile_run instantiates runs of 1 to 4 rows");
 
 torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
                            const torch::Tensor& scales, const torch::Tensor& offsets,
-                           int64_t bits, int64_t n) {
+                           int64_t bits, int64_t n, const std::optional<torch::Tensor>& bias) {
   TORCH_CHECK(x.dim() == 2, "group_linear takes x [M, K]");
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "group_linear runs on the CPU");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16,
+  const bool bf16 = x.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat32,
               "group_linear takes float32 or bfloat16 rows, not ", x.scalar_type());
   TORCH_CHECK(bits == 8 || bits == 4, "group_linear takes 8- or 4-bit codes");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
@@ -247,10 +292,16 @@ torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
                   scales.numel() == tiles * (k / kGroup) * kTile &&
                   offsets.numel() == scales.numel(),
               "group_linear: the packed weight does not match x [M, ", k, "] and N = ", n);
-  const torch::Tensor xf = x.to(torch::kFloat32).contiguous();
-  const QuantizedRows q = quantize_rows(xf.data_ptr<float>(), m, k);
-  torch::Tensor out = torch::empty({m, n}, xf.options());
-  float* o = out.data_ptr<float>();
+  torch::Tensor bias32;
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->numel() == n, "group_linear: the bias must have N elements");
+    bias32 = bias->to(torch::kFloat32).contiguous();
+  }
+  const torch::Tensor xc = x.contiguous();
+  const QuantizedRows q = bf16 ? quantize_rows(xc.data_ptr<at::BFloat16>(), m, k)
+                               : quantize_rows(xc.data_ptr<float>(), m, k);
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  const Output out{y.data_ptr(), bf16, n, bias.has_value() ? bias32.data_ptr<float>() : nullptr};
   const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
                   offsets.data_ptr<at::Half>(), k, bits};
   const int64_t grain = std::max<int64_t>(1, kGrainBytes / w.tile_bytes());
@@ -259,16 +310,15 @@ torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
       const int64_t valid = std::min(kTile, n - t * kTile);
       for (int64_t r = 0; r < m; r += kRowRun) {
         const int64_t rows = std::min(kRowRun, m - r);
-        float* dst = o + r * n + t * kTile;
         if (bits == 8) {
-          tile_run<8>(w, t, q, r, rows, dst, n, valid);
+          tile_run<8>(w, t, q, r, rows, out, valid);
         } else {
-          tile_run<4>(w, t, q, r, rows, dst, n, valid);
+          tile_run<4>(w, t, q, r, rows, out, valid);
         }
       }
     }
   });
-  return out;
+  return y;
 }
 
 // Layers registered for the op, by handle (the Python layer's `OpaqueLinear.handle`).
@@ -318,12 +368,12 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t handle) {
     py::gil_scoped_acquire gil;
     return (*dense_fallback)(x, handle).cast<torch::Tensor>();
   }
-  torch::Tensor y = group_linear(x.reshape({rows, layer.in_features}), layer.codes, layer.scales,
-                                 layer.offsets, layer.bits, layer.out_features);
-  if (layer.bias.has_value()) y.add_(*layer.bias);
+  const torch::Tensor y = group_linear(x.reshape({rows, layer.in_features}), layer.codes,
+                                       layer.scales, layer.offsets, layer.bits,
+                                       layer.out_features, layer.bias);
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = layer.out_features;
-  return y.to(x.scalar_type()).view(shape);
+  return y.view(shape);
 }
 
 }  // namespace
@@ -334,9 +384,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_dense_fallback", &set_dense_fallback,
         "the Python function (x, handle) -> y for calls above a layer's row threshold");
   m.def("group_linear", &group_linear,
-        "x [M, K] @ W^T for W packed as group-quantized codes -> [M, N] fp32", py::arg("x"),
-        py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
-        py::arg("n"));
+        "x [M, K] @ W^T (+ bias) for W packed as group-quantized codes -> [M, N]",
+        py::arg("x"), py::arg("codes"), py::arg("scales"), py::arg("offsets"), py::arg("bits"),
+        py::arg("n"), py::arg("bias") = py::none());
 #ifdef PAGEDSERVE_VNNI
   m.attr("instruction_set") = "avx512-vnni";
 #else
@@ -344,6 +394,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 }
 
+#ifndef PAGEDSERVE_SCALAR_TWIN
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quantized_linear(Tensor x, int handle) -> Tensor");
 }
@@ -351,3 +402,4 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
 }
+#endif

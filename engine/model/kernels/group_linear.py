@@ -101,11 +101,14 @@ def pack(
     return PackedWeight(tiled.contiguous(), by_tile(scales), by_tile(offsets), bits, n)
 
 
-def group_linear(x: torch.Tensor, weight: PackedWeight) -> torch.Tensor:
-    """`x [M, K] @ W^T -> [M, N]` fp32 on the CPU, x fp32 or bf16. Each row of x is
-    quantized to int8 per group of `GROUP` (see the source's "Arithmetic"); a row's bits
-    depend only on that row and the weight. Raises `KernelUnavailableError` if the kernel
-    cannot be built here."""
+def group_linear(
+    x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`x [M, K] @ W^T (+ bias) -> [M, N]` on the CPU, x fp32 or bf16, the result in x's
+    dtype (computed in fp32, the bias added, rounded once). Each row of x is quantized to
+    int8 per group of `GROUP` (see the source's "Arithmetic"); a row's bits depend only on
+    that row and the weight. Raises `KernelUnavailableError` if the kernel cannot be built
+    here."""
     return EXTENSION.load().group_linear(
-        x, weight.codes, weight.scales, weight.offsets, weight.bits, weight.out_features
+        x, weight.codes, weight.scales, weight.offsets, weight.bits, weight.out_features, bias
     )
