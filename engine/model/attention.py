@@ -181,6 +181,7 @@ def register_paged_attention(
     if kernel is None:
         AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
         return ATTN_IMPLEMENTATION
+    custom_ops.register_kernel_ops()  # the compiled forward's store and attention ops
     AttentionInterface.register(
         ATTN_IMPLEMENTATION_CPP, partial(paged_attention_forward, kernel=kernel)
     )

@@ -88,6 +88,7 @@ def test_padding_rows_store_nothing_and_attention_matches_the_kernel() -> None:
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, 2, 4, 16, 2, 64)
     key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
+    custom_ops.register_kernel_ops()
     custom_ops.store_kv(key, value, kv_cache, 1, torch.tensor([5, -1, 17]))
     k_cache, v_cache = kv_cache[1]
     assert torch.equal(k_cache.view(-1, 2, 64)[[5, 17]], key[[0, 2]])

@@ -598,8 +598,8 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
 // block_size, Hkv, D] at the flat slots [T]; a token whose slot is negative (a padding row
 // of a compiled step) is not written. One copy per token row, no masks or host syncs: the
 // compiled forward's store, 30 calls a SmolLM2 step.
-void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tensor& kv_cache,
-              int64_t layer, const torch::Tensor& slots) {
+void store_kv(const torch::Tensor& key, const torch::Tensor& value,
+              const torch::Tensor& kv_cache, int64_t layer, const torch::Tensor& slots) {
   TORCH_CHECK(kv_cache.dim() == 6 && kv_cache.is_contiguous() && kv_cache.device().is_cpu(),
               "store_kv takes a contiguous CPU KV tensor [L, 2, blocks, block_size, Hkv, D]");
   TORCH_CHECK(key.dim() == 3 && key.sizes() == value.sizes() &&
@@ -627,15 +627,37 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value, torch::Tenso
   }
 }
 
+// paged_attention over layer `layer` of the whole KV tensor [L, 2, blocks, block_size, Hkv,
+// D]: the op compiled forwards call (see the ops below).
+torch::Tensor paged_attention_layer(const torch::Tensor& q, const torch::Tensor& kv_cache,
+                                    int64_t layer, const torch::Tensor& block_tables,
+                                    const torch::Tensor& query_start,
+                                    const torch::Tensor& context_lens, double scale) {
+  const torch::Tensor caches = kv_cache.select(0, layer);
+  return paged_attention(q, caches.select(0, 0), caches.select(0, 1), block_tables, query_start,
+                         context_lens, scale);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
         "Causal attention over a paged KV cache for decode rows and prefill chunks: "
         "q [T, H, D] -> [T, H, D]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
         py::arg("query_start"), py::arg("context_lens"), py::arg("scale"));
-  m.def("store_kv", &store_kv,
-        "write key and value [T, Hkv, D] into kv_cache[layer] at slots [T], skipping "
-        "negative slots",
-        py::arg("key"), py::arg("value"), py::arg("kv_cache"), py::arg("layer"),
-        py::arg("slots"));
+}
+
+// The compiled forward's ops, in C++ from end to end: a compiled graph calls them through
+// the dispatcher with no Python in between (kernels/custom_ops.py gives them their fakes).
+// They take the whole KV tensor and a layer index, not one layer's K and V views: Inductor
+// mishandled an op that mutates two views of one base.
+TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
+  m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()");
+  m.def(
+      "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
+      "Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
+  m.impl("store_kv", &store_kv);
+  m.impl("paged_attention", &paged_attention_layer);
 }

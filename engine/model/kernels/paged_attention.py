@@ -71,13 +71,3 @@ def paged_attention(
     return EXTENSION.load().paged_attention(
         q, k_cache, v_cache, block_tables, query_start, context_lens, scale
     )
-
-
-def store_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, slots: torch.Tensor
-) -> None:
-    """Write key and value `[T, Hkv, D]` into `kv_cache[layer]` (the whole contiguous KV
-    tensor `[L, 2, num_blocks, block_size, Hkv, D]`) at the flat slots `[T]` (int64); a
-    token whose slot is negative is not written. Raises `KernelUnavailableError` if the
-    kernel cannot be built."""
-    EXTENSION.load().store_kv(key, value, kv_cache, layer, slots)
