@@ -13,25 +13,26 @@ products (AVX512-VNNI), as llama.cpp does, so the arithmetic keeps up with the m
 that quantization is part of the model the mode computes (README, "Quantization", gives
 its perplexity).
 
-Where it applies. The kernel passes over a tile's codes once per 4 rows, without a GEMM's
-blocking, so its time grows with the row count faster than a GEMM's: a forward of at most
-`max_kernel_rows(dtype)` rows (decode at small batches) runs the kernel; a larger one
-(prefill, larger batches) runs a `PackedLinear` over the dequantized weight in the model's
-dtype, as fast as the unquantized model. Where the dtype has no fast dense path (bf16 on a
-CPU without AVX512-BF16 or AMX, which oneDNN cannot pack), the kernel runs at every row
-count and no dense copy is kept.
+Where it applies. With AVX512-VNNI the kernel runs at every row count: its integer dot
+products beat oneDNN's packed fp32 and bf16 linears from 1 to 96 rows and on 512-row
+prefill windows on the CPU measured (no AMX). Without, its scalar twin runs calls of at
+most `max_kernel_rows(dtype)` rows (decode at small batches) and a larger call runs a
+`PackedLinear` over the dequantized weight in the model's dtype, as fast as the
+unquantized model; where the dtype has no fast dense path (bf16 on a CPU without
+AVX512-BF16 or AMX, which oneDNN cannot pack), the kernel runs at every row count. No
+dense copy is kept where the kernel takes every row count.
 
-Memory: the codes, scales and offsets plus, where there is a dense path, the dequantized
-copy in the model's dtype (what the unquantized engine's packed weight takes). A tied LM
-head is quantized as a copy; the input embedding keeps its table.
+Memory: the codes, scales and offsets, plus the dequantized copy in the model's dtype
+where there is a dense path. A tied LM head is quantized as a copy; the input embedding
+keeps its table.
 
 Invariants of a `QuantizedLinear`:
 - Within either path a row's output bits depend only on that row (the kernel computes
   each output element alone, in a fixed order; `PackedLinear` is row-invariant).
-- Across the threshold they do not: the kernel quantizes its inputs and the dense path
-  does not, so with quantization a request's logits can depend on how many rows the steps
-  that computed them had, which the unquantized engine's "Deterministic outputs" (README)
-  exclude; where the kernel runs at every row count, they do not.
+- Where there is a threshold, bits differ across it: the kernel quantizes its inputs and
+  the dense path does not, so a request's logits can depend on how many rows the steps
+  that computed them had, which "Deterministic outputs" (README) excludes. Where the
+  kernel runs at every row count (AVX512-VNNI), they do not.
 """
 
 from __future__ import annotations
@@ -48,14 +49,20 @@ from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_la
 # Bits of the decoder's linears per mode; the LM head takes HEAD_BITS in every mode.
 MODES = {"int8": 8, "int4": 4}
 HEAD_BITS = 8
-# Largest row count that runs the kernel, by the model's dtype (see the module docstring).
+# Largest row count that runs the kernel where it is the scalar twin (no AVX512-VNNI), by
+# the model's dtype: not measured for the twin (the fp32 thresholds of an earlier kernel that
+# computed in fp32, on a 2-core AVX2 CPU); with VNNI the kernel runs at every row count.
 KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 
 
 def max_kernel_rows(dtype: torch.dtype) -> int | None:
     """The largest row count that runs the quantized kernel in a model of `dtype`; None:
-    every row count, where the dtype has no fast dense path on this CPU (bf16 that oneDNN
-    cannot pack runs `F.linear`)."""
+    every row count. With AVX512-VNNI the kernel beat oneDNN's packed linear at every row
+    count measured, 1 to 96 (`python -m bench.linear_kernels`; README, "Quantization"), and
+    on 512-row prefill windows. Without, `KERNEL_ROWS`, except where the dtype has no fast
+    dense path (bf16 that oneDNN cannot pack runs `F.linear`). Needs the kernel built."""
+    if group_linear.EXTENSION.load().instruction_set == "avx512-vnni":
+        return None
     if dtype == torch.bfloat16 and not can_pack(torch.device("cpu"), dtype):
         return None
     return KERNEL_ROWS[dtype]

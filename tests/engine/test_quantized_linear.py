@@ -16,6 +16,7 @@ from engine.model.kernels import group_linear
 from engine.model.packed_linear import can_pack
 from engine.model.quantized_linear import (
     HEAD_BITS,
+    KERNEL_ROWS,
     MODES,
     QuantizedLinear,
     max_kernel_rows,
@@ -123,8 +124,7 @@ def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.d
 
 
 def test_the_layer_switches_to_the_dense_path_above_its_row_threshold():
-    rows = max_kernel_rows(torch.float32)
-    assert rows is not None
+    rows = 16  # the scalar twin's fp32 threshold; with VNNI the kernel takes every count
     layer = QuantizedLinear(random_linear(128, 64, torch.float32, bias=True), 4, rows)
     with torch.inference_mode():
         small, large = torch.randn(1, rows, 128), torch.randn(rows + 1, 128)
@@ -141,11 +141,14 @@ def test_linears_whose_inputs_are_not_whole_groups_stay_as_they_are():
     assert model(torch.randn(3, 64)).shape == (3, 7)
 
 
-def test_bf16_keeps_a_dense_copy_only_where_onednn_packs_it():
-    rows = max_kernel_rows(torch.bfloat16)
-    assert (rows is None) == (not can_pack(CPU, torch.bfloat16))
-    layer = QuantizedLinear(random_linear(128, 64, torch.bfloat16), 8, rows)
-    assert (layer.dense is None) == (rows is None)
+def test_the_kernel_takes_every_row_count_with_vnni_else_a_dense_copy_is_kept():
+    vnni = group_linear.EXTENSION.load().instruction_set == "avx512-vnni"
+    for dtype in DTYPES:
+        rows = max_kernel_rows(dtype)
+        dense_path = not vnni and (dtype == torch.float32 or can_pack(CPU, dtype))
+        assert rows == (KERNEL_ROWS[dtype] if dense_path else None)
+        layer = QuantizedLinear(random_linear(128, 64, dtype), 8, rows)
+        assert (layer.dense is None) == (rows is None)
 
 
 def test_quantization_runs_only_on_the_cpu_in_fp32_and_bf16():
