@@ -61,10 +61,11 @@ COPY engine /build/engine
 COPY server /build/server
 COPY bench /build/bench
 RUN pip install --no-deps /build
-# The C++ kernels (paged attention, int8 linear) are built with -march=native for the CPU
-# of the machine building the image; the runtime stage loads them without a compiler. On a
-# different CPU their folder names (a hash of the CPU flags) do not match: the server logs
-# one warning and attends with torch, and `quantization: int8` stops with a ConfigError.
+# The C++ kernels (paged attention, the group-quantized linear) are built with -march=native
+# for the CPU of the machine building the image; the runtime stage loads them without a
+# compiler. On a different CPU their folder names (a hash of the CPU flags) do not match:
+# the server logs one warning and attends with torch, and `quantization` stops with a
+# ConfigError.
 RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
 import load_attention_kernel; from engine.model.kernels import group_linear; \
 assert load_attention_kernel() is not None; group_linear.EXTENSION.load()"
