@@ -120,6 +120,18 @@ struct Weights {
   int64_t tile_bytes() const { return kTile * k * bits / 8; }
 };
 
+// Tile t's codes, and its scales and offsets [K / 32, 16].
+struct Tile {
+  const uint8_t* codes;
+  const at::Half* scales;
+  const at::Half* offsets;
+
+  Tile(const Weights& w, int64_t t)
+      : codes(w.codes + t * w.tile_bytes()),
+        scales(w.scales + t * (w.k / kGroup) * kTile),
+        offsets(w.offsets + t * (w.k / kGroup) * kTile) {}
+};
+
 #ifdef PAGEDSERVE_VNNI
 
 inline __m512 load_halves(const at::Half* p) {
@@ -148,9 +160,7 @@ void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, 
                int64_t valid) {
   const int64_t k = w.k;
   const int64_t groups = k / kGroup;
-  const uint8_t* codes = w.codes + t * w.tile_bytes();
-  const at::Half* scales = w.scales + t * groups * kTile;
-  const at::Half* offsets = w.offsets + t * groups * kTile;
+  const auto [codes, scales, offsets] = Tile(w, t);
   const int8_t* xq = q.codes.data() + r0 * k;
   const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
   __m512 acc[Rows];
@@ -210,9 +220,7 @@ void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, 
                int64_t valid) {
   const int64_t k = w.k;
   const int64_t groups = k / kGroup;
-  const uint8_t* codes = w.codes + t * w.tile_bytes();
-  const at::Half* scales = w.scales + t * groups * kTile;
-  const at::Half* offsets = w.offsets + t * groups * kTile;
+  const auto [codes, scales, offsets] = Tile(w, t);
   float acc[Rows][kTile] = {};
   for (int64_t g = 0; g < groups; ++g) {
     int32_t isum[Rows][kTile] = {};
