@@ -4,15 +4,15 @@
 complete already: it checks the target, else takes an exclusive `flock` on a lock file
 next to it (`.<name>.lock`), checks again (a process that held the lock may have just
 made it: then it is adopted), else builds into a staging folder next to it
-(`.<name>.partial`) and renames that into place. `locked(target, doing)` is the lock
+(`.<name>.partial-<pid>`) and renames that into place. `locked(target, doing)` is the lock
 alone, for work that makes its result some other way.
 
 Invariant: any number of processes starting at once on an empty cache do the work once,
 and all adopt the one result. A process killed mid-way leaves no lock behind (the kernel
 drops an `flock` when its holder dies, however it dies) and no half result: only the
-lock's holder writes the staging folder, so the next holder deletes what a killed one
-left there, and the target appears whole or not at all. A process that finds the target
-complete takes no lock, so a read-only cache holding everything already works.
+lock's holder writes a staging folder, so the next holder deletes what killed ones left,
+and the target appears whole or not at all. A process that finds the target complete
+takes no lock, so a read-only cache holding everything already works.
 """
 
 from __future__ import annotations
@@ -74,8 +74,13 @@ def build_once(
         if complete(target):
             logger.info("another process made %s: using it", target)
             return None
-        staging = target.with_name(f".{target.name}.partial")
-        shutil.rmtree(staging, ignore_errors=True)  # what a killed holder left
+        partial = f".{target.name}.partial-"
+        for leftover in target.parent.iterdir():  # what killed holders left
+            if leftover.name.startswith(partial):
+                shutil.rmtree(leftover, ignore_errors=True)
+        # Named by pid: a killed builder's orphaned children (a compiler) write into a
+        # folder that is gone, not into this one.
+        staging = target.with_name(f"{partial}{os.getpid()}")
         staging.mkdir()
         logger.info("%s once into %s (%s)", doing, target, expected)
         start = time.monotonic()

@@ -3,19 +3,22 @@
 A `CppExtension` compiles one `.cpp` file with torch's JIT extension builder (ninja and the
 system C++ compiler) into `$PAGEDSERVE_CACHE/kernels/<name>-<tag>`. The tag hashes the
 torch and Python versions and the CPU's feature flags, because the library is linked
-against torch's ABI and built with `-march=native`. A first build takes about a minute;
-later processes load the library directly, without compiler or ninja, when the folder's
-stamp shows it was built from this very source and these flags: a container image can
-carry libraries built in its builder stage. A failed build is logged once and reported
-as `KernelUnavailableError`, so callers keep their torch path.
+against torch's ABI and built with `-march=native`. A first build takes about 30 s on a
+2-core CPU; later processes load the library directly, without compiler or ninja, when
+the folder's stamp shows it was built from this very source and these flags: a container
+image can carry libraries built in its builder stage. A failed build is logged once and
+reported as `KernelUnavailableError`, so callers keep their torch path.
 
-Invariant: each extension's build is tried at most once per process; every later call
-returns the same module or raises the same failure.
+Invariants: each extension's build is tried at most once per process; every later call
+returns the same module or raises the same failure. Across processes the build is
+`engine.first_use.build_once`'s: processes starting together build a kernel once and
+the others load that library; a build killed mid-way leaves only its staging folder,
+which the next build deletes (with torch's own lock file in it, which torch's builder
+would otherwise wait on forever).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib.util
 import logging
@@ -23,13 +26,13 @@ import platform
 import shutil
 import sys
 import threading
-import time
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
 from engine.config import cache_root
+from engine.first_use import build_once
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +42,6 @@ STAMP_NAME = "source.sha256"
 # they never cross a function boundary outside one source file.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
-# torch's build lock is a file that a killed build leaves behind, and later builds would
-# wait for it forever; a build takes about a minute, so an older lock is such a leftover.
-STALE_LOCK_SECONDS = 600
 
 
 class KernelUnavailableError(RuntimeError):
@@ -56,6 +56,7 @@ class CppExtension:
         self.name = name
         self.source = source
         self.module_name = f"pagedserve_{name}"
+        self.library_name = f"{self.module_name}.so"
         self._lock = threading.Lock()
         # None: not tried yet; a module: built and loaded; an exception: why it failed.
         self._result: ModuleType | Exception | None = None
@@ -98,54 +99,66 @@ class CppExtension:
 
     def _build(self) -> ModuleType:
         directory = self.build_directory()
-        prebuilt = self._load_prebuilt(directory)
-        if prebuilt is not None:
-            return prebuilt
-        from torch.utils import cpp_extension  # imports setuptools: only once a build is needed
-
-        compiler = cpp_extension.get_cxx_compiler()
-        if shutil.which(compiler) is None:
-            raise KernelUnavailableError(f"no C++ compiler '{compiler}' on PATH (set CXX)")
-        if not cpp_extension.is_ninja_available():
-            raise KernelUnavailableError("ninja is not installed (pip install ninja)")
-        directory.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):  # no lock: no build under way
-            lock = directory / "lock"
-            if time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-                lock.unlink()
-        logger.info(
-            "loading the %s kernel from %s (a first build takes a minute)", self.name, directory
+        if not self._is_built(directory):
+            _check_toolchain()
+        built = build_once(
+            directory,
+            self._compile,
+            complete=self._is_built,
+            doing=f"building the C++ {self.name} kernel",
+            expected="about 30 s",
+            done="built",
         )
+        # The process that built the library has loaded it (from the staging folder, now
+        # renamed): loading it again would register its torch ops twice.
+        return built if built is not None else self._load_built(directory)
+
+    def _compile(self, staging: Path) -> ModuleType:
+        """Build and load the library in the empty folder `staging`, stamped."""
+        from torch.utils import cpp_extension
+
         module = cpp_extension.load(
             name=self.module_name,
             sources=[str(self.source)],
             extra_cflags=list(CFLAGS),  # copies: torch appends to the lists it is given
             extra_ldflags=list(LDFLAGS),
-            build_directory=str(directory),
+            build_directory=str(staging),
         )
-        (directory / STAMP_NAME).write_text(self._source_digest())
+        (staging / STAMP_NAME).write_text(self._source_digest())
         return module
 
-    def _load_prebuilt(self, directory: Path) -> ModuleType | None:
-        """The library in `directory` if its stamp matches this source and these flags."""
-        library = directory / f"{self.module_name}.so"
+    def _is_built(self, directory: Path) -> bool:
+        """Whether `directory` holds the library built from this source and these flags."""
         try:
             stamp = (directory / STAMP_NAME).read_text()
         except OSError:
-            return None
-        if stamp != self._source_digest() or not library.is_file():
-            return None
+            return False
+        return stamp == self._source_digest() and (directory / self.library_name).is_file()
+
+    def _load_built(self, directory: Path) -> ModuleType:
+        library = directory / self.library_name
         spec = importlib.util.spec_from_file_location(self.module_name, library)
         if spec is None or spec.loader is None:
-            return None
+            raise KernelUnavailableError(f"cannot load {library}")
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        logger.info("loaded the prebuilt %s kernel from %s", self.name, library)
+        logger.info("loaded the C++ %s kernel from %s", self.name, library)
         return module
 
     def _source_digest(self) -> str:
         flags = " ".join(CFLAGS + LDFLAGS).encode()
         return hashlib.sha256(self.source.read_bytes() + b"\0" + flags).hexdigest()
+
+
+def _check_toolchain() -> None:
+    """Raise `KernelUnavailableError` where torch's builder lacks its compiler or ninja."""
+    from torch.utils import cpp_extension  # imports setuptools: only once a build is needed
+
+    compiler = cpp_extension.get_cxx_compiler()
+    if shutil.which(compiler) is None:
+        raise KernelUnavailableError(f"no C++ compiler '{compiler}' on PATH (set CXX)")
+    if not cpp_extension.is_ninja_available():
+        raise KernelUnavailableError("ninja is not installed (pip install ninja)")
 
 
 def _cpu_flags() -> str:
