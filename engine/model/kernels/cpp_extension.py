@@ -3,7 +3,7 @@
 A `CppExtension` compiles one `.cpp` file with torch's JIT extension builder (ninja and the
 system C++ compiler) into `$PAGEDSERVE_CACHE/kernels/<name>-<tag>`. The tag hashes the
 torch and Python versions and the CPU's feature flags, because the library is linked
-against torch's ABI and built with `-march=native`. A first build takes about 30 s on a
+against torch's ABI and built with `-march=native`. A first build takes 30 to 50 s on a
 2-core CPU; later processes load the library directly, without compiler or ninja, when
 the folder's stamp shows it was built from this very source and these flags: a container
 image can carry libraries built in its builder stage. A failed build is logged once and
@@ -106,7 +106,7 @@ class CppExtension:
             self._compile,
             complete=self._is_built,
             doing=f"building the C++ {self.name} kernel",
-            expected="about 30 s",
+            expected="about 40 s",
             done="built",
         )
         # The process that built the library has loaded it (from the staging folder, now
