@@ -1,0 +1,78 @@
+"""Two `pagedserve serve` started at once on an empty cache, with the shipped default
+config: the first start's work (converting the default model, building the C++ kernels
+it uses) is done once, by one of them, and both serve."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from bench.tables import free_port
+
+pytestmark = pytest.mark.slow
+PAGEDSERVE = Path(sys.executable).with_name("pagedserve")
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
+# A first start converts the model and builds kernels; two at once share 2 cores here.
+START_TIMEOUT = 600
+ONCE = (
+    "converting SmolLM2-135M-Instruct.Q4_1.gguf once into",
+    "building the C++ paged_attention kernel once into",
+)
+
+
+def test_two_servers_started_at_once_on_an_empty_cache_both_serve(tmp_path: Path) -> None:
+    env = os.environ | {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    urls, logs, servers = [], [], []
+    for i in range(2):
+        port = free_port()
+        urls.append(f"http://127.0.0.1:{port}")
+        logs.append(tmp_path / f"server-{i}.log")
+        with logs[-1].open("w") as log:
+            command = [PAGEDSERVE, "serve", "--config", CONFIG, "--port", str(port)]
+            servers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+    try:
+        for server, url, log in zip(servers, urls, logs, strict=True):
+            wait_healthy(url, server, log)
+        answers = [complete(url) for url in urls]
+    finally:
+        for server in servers:
+            server.send_signal(signal.SIGINT)
+        for server in servers:
+            server.wait(timeout=60)
+    text = "".join(log.read_text() for log in logs)
+    assert answers[0] == answers[1] and answers[0], answers  # one model, greedy: same tokens
+    for work in ONCE:
+        assert text.count(work) == 1, (work, text[-5000:])
+    # One converted model, and no staging folder left beside it.
+    converted = tmp_path / "cache" / "converted"
+    [model] = [path for path in converted.iterdir() if not path.name.endswith(".lock")]
+    assert model.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        assert server.poll() is None, f"a server exited: {log.read_text()[-5000:]}"
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass  # not listening yet
+        assert time.monotonic() < deadline, f"not healthy in time: {log.read_text()[-5000:]}"
+        time.sleep(0.5)
+
+
+def complete(url: str) -> str:
+    body = {"model": "SmolLM2-135M-Instruct", "prompt": "The capital of France is"}
+    reply = httpx.post(
+        f"{url}/v1/completions", json=body | {"max_tokens": 4, "temperature": 0}, timeout=120
+    )
+    assert reply.status_code == 200, reply.text
+    return reply.json()["choices"][0]["text"]
