@@ -8,7 +8,7 @@ import multiprocessing
 import os
 import signal
 import time
-from multiprocessing.process import BaseProcess
+from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
 from engine.first_use import build_once
@@ -44,7 +44,7 @@ def build_and_read(target: str, count: str, log: str, seconds: float, go: str) -
     assert (Path(target) / "result").read_text() == "whole"
 
 
-def start_builders(n: int, tmp_path: Path, seconds: float) -> list[BaseProcess]:
+def start_builders(n: int, tmp_path: Path, seconds: float) -> list[SpawnProcess]:
     go = tmp_path / "go"
     go.unlink(missing_ok=True)
     ready = [tmp_path / f"log-{i}.ready" for i in range(n)]

@@ -34,9 +34,9 @@ def test_two_servers_started_at_once_on_an_empty_cache_both_serve(tmp_path: Path
         port = free_port()
         urls.append(f"http://127.0.0.1:{port}")
         logs.append(tmp_path / f"server-{i}.log")
-        with logs[-1].open("w") as log:
-            command = [PAGEDSERVE, "serve", "--config", CONFIG, "--port", str(port)]
-            servers.append(subprocess.Popen(command, env=env, stdout=log, stderr=log))
+        with logs[-1].open("w") as out:
+            command = [str(PAGEDSERVE), "serve", "--config", str(CONFIG), "--port", str(port)]
+            servers.append(subprocess.Popen(command, env=env, stdout=out, stderr=out))
     try:
         for server, url, log in zip(servers, urls, logs, strict=True):
             wait_healthy(url, server, log)
