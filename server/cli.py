@@ -90,7 +90,7 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
         help_text = info.description or ""
         if info.default is not None and "default" not in help_text:
             help_text = f"{help_text}; default: {info.default}".lstrip("; ")
-        if info.annotation is bool:
+        if info.annotation in (bool, bool | None):
             parser.add_argument(
                 flag, action=argparse.BooleanOptionalAction, default=None, help=help_text
             )

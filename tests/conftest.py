@@ -41,6 +41,11 @@ def default_model():
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Engines run eager unless a test sets enforce_eager itself (the compiled forward's
+    # tests) or clears this (the shipped defaults' tests): compiling the forward for every
+    # tiny model and KV cache size would cost the suite a minute each. `LLM`, the server's
+    # settings and the servers tests start in subprocesses all read it.
+    os.environ.setdefault("PAGEDSERVE_ENFORCE_EAGER", "true")
     # Tests must never reach a model hub; everything they load is local.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

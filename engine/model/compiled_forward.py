@@ -1,4 +1,4 @@
-"""The model's forward compiled by Inductor, for every step on the CPU (`enforce_eager: false`).
+"""The model's forward compiled by Inductor, for every step on the CPU.
 
 An eager forward of a small model dispatches thousands of small ops a step (SmolLM2 at
 batch 1: 2,888, counted by `bench.step_profile`; compiled: 447), each with its own
@@ -18,37 +18,60 @@ The cost: a batch-1 decode step computes two rows, and the K/V store drops the p
 row by a mask in every layer. (Marking the sizes unbacked instead of padding compiled
 without specializing, but the step measured no faster, so the padding stays.)
 
+Compiled once per machine, model and settings. The graph is compiled ahead of time
+(`torch.compile(...).aot_compile`, Dynamo's precompile) and saved to
+`$PAGEDSERVE_CACHE/compiled/<key>/`; a later start loads it in about 3 s instead of
+tracing and compiling for a minute or more. The key hashes everything the graph bakes
+in: torch, transformers and Python versions, the CPU's flags, this package's model
+sources, the model's config and module tree (quantized or packed layers and their
+handles), the dtype and the KV cache's and block table's shapes. Inductor's own output
+(the compiled C++ and its libraries) stays under `$PAGEDSERVE_CACHE/inductor`, which a
+load reads; loading still needs the C++ compiler Inductor keys its libraries by. A saved
+graph that fails to load or to run is compiled anew. Concurrent first starts compile
+once (`first_use.build_once`) and the others load that result.
+
 Invariants:
 - A row's bits depend only on the row, never on the step's other rows or sizes: the
   linears and the attention are row-invariant, and the compiled loops compute each row
   alone (tests check it). They are not the eager engine's bits: Inductor's fused code
   rounds differently (SmolLM2's fp32 logits differed by up to 1.4e-4 in one check;
-  greedy tokens matched eager mode's in the tests).
-- Inductor keeps what it builds under `$PAGEDSERVE_CACHE/inductor` (unless
-  `TORCHINDUCTOR_CACHE_DIR` is set), so a restart that builds the same model retraces the
-  graph but does not run the C++ compiler again.
+  greedy tokens matched eager mode's in the tests). A loaded graph is the saved one: its
+  bits equal a fresh compile's.
+- The saved graph checks only its tensor inputs' guards (shapes, dtypes, strides): the
+  key stands for the model's code and modules, which never change after loading.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import sys
 import time
-import types
-from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+from transformers import PreTrainedModel
 
 from engine.config import ConfigError, cache_root
+from engine.first_use import build_once
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.decode_graphs import PADDING_ROW, Forward
+from engine.model.decode_graphs import PADDING_ROW
+from engine.model.kernels.cpp_extension import cpu_flags
+from engine.model.model_forward import model_logits
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
 
 CACHE_DIR_VARIABLE = "TORCHINDUCTOR_CACHE_DIR"
+# The saved graph inside its key's folder.
+GRAPH_FILE = "forward.bin"
+# Changes whenever the way a graph is built or saved changes, so old saves are not loaded.
+FORMAT = "pagedserve-aot-1"
 
 
 def inductor_cache_dir() -> str:
@@ -88,45 +111,94 @@ class CompiledForward:
     """`(input_ids [T], positions [T], slots [T], rows [B], query_start [B + 1],
     context_lens [B], logits_index [S]) -> logits [S, vocab]` through one compiled graph;
     inputs come from `pad_step`. Block tables are read whole (every column) from
-    `device_tables` by row, so their width is not a dimension of the graph."""
+    `device_tables` by row, so their width is not a dimension of the graph. Call
+    `warm_up` (which compiles or loads the graph) before the first step."""
 
     def __init__(
-        self, forward: Forward, kv_cache: torch.Tensor, device_tables: torch.Tensor
+        self, model: PreTrainedModel, kv_cache: torch.Tensor, device_tables: torch.Tensor
     ) -> None:
-        if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
-            raise ConfigError(
-                "enforce_eager false compiles the forward, but TORCHDYNAMO_DISABLE=1 is set"
-            )
         inductor_cache_dir()
-        self._model_forward = forward
-        # Static: Dynamo would give their sizes symbols shared with equal step sizes (the
-        # K/V axis of 2 with a step's 2 sampled rows), specialized where they are indexed.
-        torch._dynamo.mark_static(kv_cache)
-        torch._dynamo.mark_static(device_tables)
+        self._model = model
         self._kv_cache = kv_cache
         self._tables = device_tables
-        # The model's modules never change after loading, so the guards on them (most of the
-        # 0.8 ms that checking a call's guards took a SmolLM2 step) are dropped; that is
-        # safe only because this engine's forward has a cache of its own (`_own_code`).
-        self._compiled = torch.compile(
-            _own_code(self._forward),
-            dynamic=True,
-            fullgraph=True,
-            options={"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe},
-        )
+        self._compiled: Any = None
+        # Whether `warm_up` loaded a saved graph (True) or compiled one (False).
+        self.loaded = False
 
     def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self._compiled(*inputs, self._kv_cache, self._tables)
+        return self._compiled(self._model, *inputs, self._kv_cache, self._tables)
 
     def warm_up(self) -> float:
-        """Compile (or load from the cache) by running one step of padding tokens; return
-        the seconds it took. Writes no KV slot. Raises `ConfigError` if Inductor cannot
-        build here (no C++ compiler, for one).
+        """Load the saved graph, or compile and save it, then run one step of padding
+        tokens through it (it writes no KV slot); return the seconds it took. Raises
+        `ConfigError` if Inductor cannot build here (no C++ compiler, for one)."""
+        started = time.perf_counter()
+        folder = cache_root() / "compiled" / self.key()
+        try:
+            compiled = build_once(
+                folder,
+                self._compile_into,
+                complete=lambda target: (target / GRAPH_FILE).is_file(),
+                doing="compiling the forward",
+                expected="about a minute, once per machine, model and settings",
+                done="compiled the forward",
+            )
+            if compiled is None:
+                compiled = self._load(folder)
+                self.loaded = True
+            self._compiled = compiled
+            self._run_padding_step()
+        except Exception as exc:  # Inductor fails in many ways where it cannot build
+            raise ConfigError(f"the forward cannot be compiled here: {exc}") from exc
+        seconds = time.perf_counter() - started
+        logger.info("compiled forward ready in %.1f s (%s)", seconds, folder)
+        return seconds
 
-        The step's sizes all differ (5 tokens, 3 sequences, 2 sampled), because Dynamo
-        gives equal sizes one symbol: a first step with as many tokens as sequences would
-        compile a graph for decode steps only, and the first prefill would compile again.
-        """
+    def key(self) -> str:
+        """The hash of everything the compiled graph depends on (the module's docstring)."""
+        sources = Path(__file__).parent
+        digest = hashlib.sha256()
+        for part in (
+            FORMAT, torch.__version__, transformers.__version__, sys.version, cpu_flags(),
+            self._model.config.to_json_string(), repr(self._model),
+            str(self._model.dtype), str(self._kv_cache.dtype),
+            str(tuple(self._kv_cache.shape)), str(tuple(self._tables.shape)),
+            str(_handles(self._model)),
+        ):  # fmt: skip
+            digest.update(part.encode() + b"\0")
+        for source in sorted([*sources.rglob("*.py"), *sources.rglob("*.cpp")]):
+            digest.update(source.read_bytes() + b"\0")
+        return digest.hexdigest()[:16]
+
+    def _compile_into(self, folder: Path) -> Any:
+        """Compile the graph over this engine's model and save it in `folder`."""
+        # Static: Dynamo would give their sizes symbols shared with equal step sizes (the
+        # K/V axis of 2 with a step's 2 sampled rows), specialized where they are indexed.
+        torch._dynamo.mark_static(self._kv_cache)
+        torch._dynamo.mark_static(self._tables)
+        compiler = torch.compile(
+            _step,
+            dynamic=True,
+            fullgraph=True,
+            # The guards a saved graph can carry: its tensor inputs' (see the docstring).
+            options={"guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe},
+        )
+        # Floats (norm epsilons, scales) as constants: tensorifying them would make
+        # Dynamo restart its analysis, which a compile ahead of time cannot.
+        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
+            compiled = compiler.aot_compile((self._padding_inputs(), {}))
+        compiled.save_compiled_function(str(folder / GRAPH_FILE))
+        return compiled
+
+    def _load(self, folder: Path) -> Any:
+        with open(folder / GRAPH_FILE, "rb") as file:
+            return torch.compiler.load_compiled_function(file)
+
+    def _padding_inputs(self) -> tuple[Any, ...]:
+        """A step of padding tokens, as the compiled function's arguments. Its sizes all
+        differ (5 tokens, 3 sequences, 2 sampled), because Dynamo gives equal sizes one
+        symbol: a step with as many tokens as sequences would compile a graph for decode
+        steps only."""
         lengths = np.array([1, 2, 2])
         starts = np.concatenate(([0], np.cumsum(lengths)))
         step = StepInputs(
@@ -140,48 +212,34 @@ class CompiledForward:
             width=1,
         )
         inputs = [torch.from_numpy(array.astype(np.int64)) for array in step.arrays()]
-        started = time.perf_counter()
-        try:
-            with torch.inference_mode():
-                self(*inputs)
-        except Exception as exc:  # Inductor fails in many ways where it cannot build
-            raise ConfigError(
-                f"enforce_eager false: the forward cannot be compiled here: {exc}"
-            ) from exc
-        seconds = time.perf_counter() - started
-        logger.info("compiled forward ready in %.1f s (cache: %s)", seconds, inductor_cache_dir())
-        return seconds
+        return (self._model, *inputs, self._kv_cache, self._tables)
 
-    def _forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slots: torch.Tensor,
-        rows: torch.Tensor,
-        query_start: torch.Tensor,
-        context_lens: torch.Tensor,
-        logits_index: torch.Tensor,
-        kv_cache: torch.Tensor,
-        device_tables: torch.Tensor,
-    ) -> torch.Tensor:
-        tables = device_tables.index_select(0, rows)
-        metadata = PagedAttentionMetadata.device_only(
-            kv_cache, slots, tables, query_start, context_lens, max_query_len=0
-        )
-        return self._model_forward(input_ids[None], positions[None], logits_index, metadata)
+    def _run_padding_step(self) -> None:
+        with torch.inference_mode():
+            self._compiled(*self._padding_inputs())
 
 
-def _own_code(method: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    """`method` bound to a copy of its function with a code object of its own. Dynamo keeps
-    compiled graphs per code object: without the copy, a second engine in the process would
-    share the first one's cache, and with the guards on the model's modules dropped it would
-    run the first engine's graph, whose linear ops name the first model's layers."""
-    function = method.__func__  # type: ignore[attr-defined]
-    copy = types.FunctionType(
-        function.__code__.replace(),
-        function.__globals__,
-        function.__name__,
-        function.__defaults__,
-        function.__closure__,
+def _step(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    rows: torch.Tensor,
+    query_start: torch.Tensor,
+    context_lens: torch.Tensor,
+    logits_index: torch.Tensor,
+    kv_cache: torch.Tensor,
+    device_tables: torch.Tensor,
+) -> torch.Tensor:
+    """The compiled function: a free function of its inputs, the model among them, so
+    that a saved graph holds no reference to this process's objects."""
+    tables = device_tables.index_select(0, rows)
+    metadata = PagedAttentionMetadata.device_only(
+        kv_cache, slots, tables, query_start, context_lens, max_query_len=0
     )
-    return types.MethodType(copy, method.__self__)  # type: ignore[attr-defined]
+    return model_logits(model, input_ids[None], positions[None], logits_index, metadata)
+
+
+def _handles(model: PreTrainedModel) -> list[int]:
+    """The registry handles of the model's opaque linears: constants in the graph."""
+    return [module.handle for module in model.modules() if hasattr(module, "handle")]

@@ -38,10 +38,12 @@ Invariants of a `QuantizedLinear`:
 from __future__ import annotations
 
 import weakref
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from engine.model import quantized_store
 from engine.model.kernels import group_linear
 from engine.model.opaque_linear import OpaqueLinear, layer, opaque_linear
 from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_layers
@@ -87,26 +89,29 @@ class QuantizedLinear(OpaqueLinear):
     """`y = x Wq^T + b` for the group-quantized weight Wq of an `nn.Linear`; inference only.
 
     Invariants: `weight` is `group_linear.pack(*group_linear.quantize(W, bits), bits)` of
-    the original weight W; `kernel_rows` is None (the kernel runs at every row count and
-    `dense` is None) or a positive row count, and then `dense` is a `PackedLinear` over the
-    dequantized Wq in W's dtype; a forward of at most `kernel_rows` rows runs `kernel`, a
+    the original weight W (the checkpoint's, in fp32, where `quantized_store` read it);
+    `kernel_rows` is None (the kernel runs at every row count and `dense` is None) or a
+    positive row count, and then `dense` is a `PackedLinear` over the dequantized Wq in
+    W's dtype; a forward of at most `kernel_rows` rows runs `kernel`, a
     larger one `dense`.
     """
 
-    def __init__(self, linear: nn.Linear, bits: int, kernel_rows: int | None) -> None:
+    def __init__(
+        self, linear: nn.Linear, weight: group_linear.PackedWeight, kernel_rows: int | None
+    ) -> None:
         super().__init__()
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.bits = bits
+        self.bits = bits = weight.bits
         self.kernel_rows = kernel_rows
         self.bias = linear.bias
-        weight = linear.weight.detach()
-        codes, scales, offsets = group_linear.quantize(weight, bits)
-        self.weight = group_linear.pack(codes, scales, offsets, bits)
+        self.weight = weight
         self.dense = None
         if kernel_rows is not None:
+            original = linear.weight.detach()
+            codes, scales, offsets = group_linear.quantize(original, bits)
             plain = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-            dequantized = group_linear.dequantize(codes, scales, offsets).to(weight.dtype)
+            dequantized = group_linear.dequantize(codes, scales, offsets).to(original.dtype)
             plain.weight = nn.Parameter(dequantized, requires_grad=False)
             plain.bias = linear.bias
             self.dense = PackedLinear(plain)
@@ -117,6 +122,12 @@ class QuantizedLinear(OpaqueLinear):
             self.bias,
         )  # fmt: skip
         weakref.finalize(self, extension.unregister_layer, self.handle)
+
+    @classmethod
+    def quantizing(cls, linear: nn.Linear, bits: int, kernel_rows: int | None) -> QuantizedLinear:
+        """The layer for `linear`'s own weight quantized to `bits`."""
+        weight = group_linear.pack(*group_linear.quantize(linear.weight.detach(), bits), bits)
+        return cls(linear, weight, kernel_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`pagedserve::quantized_linear`, the C++ op, in eager steps and compiled graphs."""
@@ -161,22 +172,36 @@ def _fake_quantized_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def quantize_linear_layers(model: nn.Module, mode: str, kernel_rows: int | None) -> int:
+def quantize_linear_layers(
+    model: nn.Module, mode: str, kernel_rows: int | None, folder: Path | None = None
+) -> int:
     """Replace every plain `nn.Linear` of `model` whose inputs come in whole groups by a
     `QuantizedLinear` of `mode`'s bits (the model's output embedding, its LM head, by one of
     `HEAD_BITS`), with `kernel_rows` (the engine passes `max_kernel_rows`; None runs the
-    kernel at every row count); return how many. Call only where `unavailable_reason`
-    gives None for the model's device, dtype and `mode`.
+    kernel at every row count); return how many. The quantized weights come from
+    `quantized_store` (made once from `folder`'s fp32 weights, then loaded). Call only where
+    `unavailable_reason` gives None for the model's device, dtype and `mode`.
     """
     if mode not in MODES:
         raise ValueError(f"unknown quantization mode {mode!r}")
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if get_head is not None else None
+    linears = {
+        name: module
+        for name, module in model.named_modules()
+        if type(module) is nn.Linear and group_linear.supports(module.in_features)
+    }
+    names = {id(linear): name for name, linear in linears.items()}
+    weights = quantized_store.packed_weights(
+        linears,
+        lambda name: HEAD_BITS if linears[name] is head else MODES[mode],
+        mode,
+        folder,
+    )
 
     def quantized(linear: nn.Linear) -> nn.Module:
-        if not group_linear.supports(linear.in_features):
+        if id(linear) not in names:
             return linear
-        bits = HEAD_BITS if linear is head else MODES[mode]
-        return QuantizedLinear(linear, bits, kernel_rows)
+        return QuantizedLinear(linear, weights[names[id(linear)]], kernel_rows)
 
     return replace_linear_layers(model, quantized)

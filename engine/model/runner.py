@@ -12,6 +12,7 @@ from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.block_tables import BlockTables
 from engine.model.compiled_forward import CompiledForward, pad_step
 from engine.model.decode_graphs import DecodeGraphs
+from engine.model.model_forward import model_logits
 from engine.model.step_inputs import Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
 
@@ -62,9 +63,7 @@ class ModelRunner:
             if decode_graphs
             else None
         )
-        self.compiled = (
-            CompiledForward(self._forward, kv_cache, self._device_tables) if compiled else None
-        )
+        self.compiled = CompiledForward(model, kv_cache, self._device_tables) if compiled else None
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:
         self.block_tables.update(batch)
@@ -129,14 +128,7 @@ class ModelRunner:
         logits_index: torch.Tensor,
         metadata: PagedAttentionMetadata,
     ) -> torch.Tensor:
-        output = self.model(
-            input_ids=input_ids,
-            position_ids=positions,
-            logits_to_keep=logits_index,
-            use_cache=False,
-            paged_metadata=metadata,
-        )
-        return output.logits[0]
+        return model_logits(self.model, input_ids, positions, logits_index, metadata)
 
     def _follow_block_tables(self, flat_index: torch.Tensor, block_ids: torch.Tensor) -> None:
         if flat_index.numel():

@@ -18,7 +18,10 @@ from engine.sampling.params import SamplingParams
 @pytest.fixture(scope="module")
 def llm(tiny_model_paths: dict[str, Path]):
     config = EngineConfig(
-        model=str(tiny_model_paths["qwen3"]), dtype="float32", kv_cache_memory="16MiB"
+        model=str(tiny_model_paths["qwen3"]),
+        dtype="float32",
+        kv_cache_memory="16MiB",
+        enforce_eager=True,
     )
     engine = AsyncLLM.from_config(config)
     yield engine
@@ -131,7 +134,9 @@ def test_the_engine_thread_builds_the_engine(
         build(self, config)
 
     monkeypatch.setattr(LLMEngine, "__init__", recording_init)
-    config = EngineConfig(model=str(tiny_model_paths["llama"]), kv_cache_memory="16MiB")
+    config = EngineConfig(
+        model=str(tiny_model_paths["llama"]), kv_cache_memory="16MiB", enforce_eager=True
+    )
     llm = AsyncLLM.from_config(config)
     try:
         assert built_on == ["pagedserve-engine"]

@@ -4,14 +4,17 @@ and the engine serves both modes."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig, load_config
+from engine.model import loader
 from engine.model.kernels import group_linear
 from engine.model.packed_linear import can_pack
 from engine.model.quantized_linear import (
@@ -98,7 +101,7 @@ def test_the_kernel_computes_its_stated_arithmetic(bits: int, out_features: int)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_the_layer_computes_the_kernel_in_its_dtype_with_bias(dtype: torch.dtype, bits: int):
     linear = random_linear(128, 48, dtype, bias=True)
-    layer = QuantizedLinear(linear, bits, None)
+    layer = QuantizedLinear.quantizing(linear, bits, None)
     x = torch.randn(2, 3, 128).to(dtype)
     with torch.inference_mode():
         out = layer(x)
@@ -112,7 +115,7 @@ def test_the_layer_computes_the_kernel_in_its_dtype_with_bias(dtype: torch.dtype
 @BITS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.dtype, bits: int):
-    layer = QuantizedLinear(random_linear(576, 200, dtype), bits, None)
+    layer = QuantizedLinear.quantizing(random_linear(576, 200, dtype), bits, None)
     x = torch.randn(40, 576).to(dtype)
     with torch.inference_mode():
         reference = layer.kernel(x)
@@ -125,7 +128,7 @@ def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.d
 
 def test_the_layer_switches_to_the_dense_path_above_its_row_threshold():
     rows = 16  # the scalar twin's fp32 threshold; with VNNI the kernel takes every count
-    layer = QuantizedLinear(random_linear(128, 64, torch.float32, bias=True), 4, rows)
+    layer = QuantizedLinear.quantizing(random_linear(128, 64, torch.float32, bias=True), 4, rows)
     with torch.inference_mode():
         small, large = torch.randn(1, rows, 128), torch.randn(rows + 1, 128)
         assert torch.equal(layer(small), layer.kernel(small))
@@ -147,7 +150,7 @@ def test_the_kernel_takes_every_row_count_with_vnni_else_a_dense_copy_is_kept():
         rows = max_kernel_rows(dtype)
         dense_path = not vnni and (dtype == torch.float32 or can_pack(CPU, dtype))
         assert rows == (KERNEL_ROWS[dtype] if dense_path else None)
-        layer = QuantizedLinear(random_linear(128, 64, dtype), 8, rows)
+        layer = QuantizedLinear.quantizing(random_linear(128, 64, dtype), 8, rows)
         assert (layer.dense is None) == (rows is None)
 
 
@@ -251,3 +254,38 @@ def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
             args = (packed.codes, packed.scales, packed.offsets, bits, 50, bias)
             expected = group_linear.group_linear(x, packed, bias)
             assert torch.equal(twin.group_linear(x, *args), expected)
+
+
+@pytest.mark.parametrize(
+    ("linear_type", "mode"),
+    [("Q4_1", "int4"), ("Q4_K", "int4"), ("IQ4_XS", "int4"), ("Q2_K", "int4"),
+     ("Q5_0", "int8"), ("Q6_K", "int8"), ("Q8_0", "int8"), ("F16", "none"), ("BF16", "none")],
+)  # fmt: skip
+def test_auto_serves_a_gguf_in_its_own_bits(tmp_path: Path, linear_type: str, mode: str):
+    source = {"gguf": "m.gguf", "linear_type": linear_type}
+    (tmp_path / loader.SOURCE_FILE).write_text(json.dumps(source))
+    assert loader.checkpoint_quantization(tmp_path) == mode
+
+
+def test_auto_leaves_an_unquantized_checkpoint_unquantized(tiny_model_paths: dict[str, Path]):
+    assert loader.checkpoint_quantization(tiny_model_paths["llama"]) == "none"
+    llm = LLM(str(tiny_model_paths["llama"]), kv_cache_memory="4MiB")
+    assert llm.engine.config.quantization == "auto" and llm.engine.quantization == "none"
+    assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.model.modules())
+
+
+@pytest.mark.slow
+def test_the_default_model_is_served_from_its_own_4_bit_weights():
+    folder = Path(loader.resolve_model_folder("default")[0])
+    assert loader.checkpoint_quantization(folder) == "int4"
+    llm = LLM("default", kv_cache_memory="32MiB", max_model_len=256)
+    assert llm.engine.quantization == "int4"
+    layer = llm.engine.model.model.layers[0].self_attn.q_proj
+    assert isinstance(layer, QuantizedLinear) and layer.bits == 4
+    # The GGUF's own Q4_1 weights, whatever dtype the model is served in: the codes are
+    # those of the file's fp32 dequantization.
+    with safe_open(folder / "model.safetensors", framework="pt") as file:
+        original = file.get_tensor("model.layers.0.self_attn.q_proj.weight")
+    expected = group_linear.pack(*group_linear.quantize(original, 4), 4)
+    assert torch.equal(layer.weight.codes, expected.codes)
+    assert torch.equal(layer.weight.scales, expected.scales)

@@ -27,8 +27,13 @@ PROMPTS = ["The capital of France is", "Paged attention keeps keys and values in
 
 @pytest.fixture(
     scope="module",
-    params=[{"dtype": "bfloat16"}, {"dtype": "float32"}, {"attention_backend": "torch"}],
-    ids=["bf16", "fp32", "torch-attention"],
+    params=[
+        {"dtype": "bfloat16", "quantization": "none"},
+        {"dtype": "float32", "quantization": "none"},
+        {"attention_backend": "torch", "quantization": "none"},
+        {},  # as served: the checkpoint's int4 in the CPU's dtype
+    ],
+    ids=["bf16", "fp32", "torch-attention", "served"],
 )
 def llm(request: pytest.FixtureRequest) -> Iterator[LLM]:
     yield LLM("default", kv_cache_memory="32MiB", max_model_len=256, **request.param)

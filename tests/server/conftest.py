@@ -30,6 +30,7 @@ def tiny_config(model_path: Path, **settings: Any) -> ServeConfig:
         "device": "cpu",
         "kv_cache_memory": "64MiB",
         "max_model_len": 512,
+        "enforce_eager": True,
     }
     return ServeConfig(**(values | settings))
 

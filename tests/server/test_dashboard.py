@@ -282,6 +282,7 @@ def test_a_snapshot_is_refused_once_the_engine_has_stopped(
         dtype="float32",
         kv_cache_memory="1MiB",
         max_model_len=512,
+        enforce_eager=True,
     )
     llm = AsyncLLM.from_config(config)
 

@@ -93,7 +93,7 @@ class CppExtension:
 
     def build_directory(self) -> Path:
         """Where the library is built: one folder per torch, Python and CPU combination."""
-        fingerprint = "|".join((torch.__version__, sys.version, platform.machine(), _cpu_flags()))
+        fingerprint = "|".join((torch.__version__, sys.version, platform.machine(), cpu_flags()))
         tag = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
         return cache_root() / "kernels" / f"{self.name}-{tag}"
 
@@ -161,7 +161,7 @@ def _check_toolchain() -> None:
         raise KernelUnavailableError("ninja is not installed (pip install ninja)")
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> str:
     try:
         cpuinfo = Path("/proc/cpuinfo").read_text()
     except OSError:
