@@ -19,21 +19,10 @@ RUN if ! python3 -c "import ensurepip" 2>/dev/null; then \
             python3 python3-venv \
         && rm -rf /var/lib/apt/lists/*; \
     fi
-# TORCHDYNAMO_DISABLE: llguidance applies the structured-output token mask through
-# torch.compile, which needs a C++ compiler at run time that the runtime image has not
-# (requests with a response_format failed with InvalidCxxCompiler); with TorchDynamo off
-# the same function runs eagerly. pagedserve compiles nothing with torch.compile itself.
-ENV PYTHONUNBUFFERED=1 \
-    PYTHONDONTWRITEBYTECODE=1 \
-    PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    TORCHDYNAMO_DISABLE=1
-
-FROM base AS builder
-ARG TORCH_VERSION=2.13.0
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# A C++ compiler for the C++ kernels, in this stage only, and Python's headers
-# where the base image's Python comes without them (an apt-installed python3).
+# g++ in every stage: the builder compiles the C++ kernels and the forward; the runtime
+# loads the compiled forward, and Inductor keys and checks the libraries it loads with the
+# compiler (it runs a test compile of its vector code, against torch's headers), so a
+# runtime without one serves eager. Python's headers where the base's Python lacks them.
 RUN set -- g++ \
     && python3 -c "import os, sysconfig; \
 assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h'))" \
@@ -41,6 +30,14 @@ assert os.path.exists(os.path.join(sysconfig.get_paths()['include'], 'Python.h')
     apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends "$@" \
     && rm -rf /var/lib/apt/lists/*
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+FROM base AS builder
+ARG TORCH_VERSION=2.13.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 RUN python3 -m venv /opt/pagedserve
 ENV PATH=/opt/pagedserve/bin:$PATH
 # `wheel[s]` matches nothing when there is no wheels/ folder; pyproject.toml keeps the
@@ -69,15 +66,14 @@ RUN pip install --no-deps /build
 RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
 import load_attention_kernel; from engine.model.kernels import group_linear; \
 assert load_attention_kernel() is not None; group_linear.EXTENSION.load()"
-# Only /opt/pagedserve leaves this stage, so what the server never loads is deleted here,
-# after the kernel build that needed some of it: torch's C++ headers and CMake files (for
-# compiling extensions; the runtime image has no compiler), torch's C++ test programs
-# (keeping torch_shm_manager, which torch.multiprocessing runs), the packages' tests
-# folders, the static symbol tables of torch's libraries (about 90 MB; loading uses
-# their dynamic symbols, which stay), and the bytecode pip compiled for every module (the
-# next step compiles what serving imports).
+# Only /opt/pagedserve leaves this stage, so what the server never loads is deleted here:
+# torch's CMake files, torch's C++ test programs (keeping torch_shm_manager, which
+# torch.multiprocessing runs), the packages' tests folders, the static symbol tables of
+# torch's libraries (about 90 MB; loading uses their dynamic symbols, which stay), and
+# the bytecode pip compiled for every module (the next step compiles what serving
+# imports). torch's C++ headers stay: Inductor compiles against them to check the CPU.
 RUN site=$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
-    && rm -rf "$site/torch/include" "$site/torch/share/cmake" "$site/torch/test" \
+    && rm -rf "$site/torch/share/cmake" "$site/torch/test" \
     && find "$site/torch/bin" -type f ! -name torch_shm_manager -delete \
     && find "$site" -type d \( -name tests -o -name __pycache__ \) -prune -exec rm -rf {} + \
     && find "$site/torch/lib" -type f -name "*.so*" -exec strip --strip-unneeded {} +
@@ -95,6 +91,18 @@ load_model('default', dtype=torch.float32, device=torch.device('cpu')); \
 import server.app, server.cli" \
     && rm -rf /tmp/pagedserve-cache \
     && chmod -R a+rX /opt/pagedserve
+# The engine as the image serves it, built once here with the baked-in config: the
+# default model's linears quantized (quantization: auto, its Q4_1) and the forward
+# compiled, into the cache the runtime stage carries, so the container starts compiled
+# in seconds. The compiled forward's key holds the KV cache's size: a container given
+# less memory than kv_cache_memory needs compiles its own (about a minute) at first start.
+ARG CONFIG=configs/default.yaml
+COPY ${CONFIG} /build/config.yaml
+RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.config import EngineConfig, \
+from engine.llm_engine import LLMEngine; from server.config import ServeConfig; \
+config = load_config(ServeConfig, '/build/config.yaml', environ={}).engine_config(); \
+engine = LLMEngine(config); \
+assert engine.compiled, 'the forward did not compile'"
 
 FROM base
 ARG CONFIG=configs/default.yaml
@@ -104,7 +112,7 @@ RUN groupadd --gid 10001 pagedserve \
     && mkdir -p /models /var/cache/pagedserve \
     && chown pagedserve:pagedserve /models /var/cache/pagedserve
 COPY --from=builder /opt/pagedserve /opt/pagedserve
-COPY --from=builder --chown=10001:10001 /opt/pagedserve-cache/kernels /var/cache/pagedserve/kernels
+COPY --from=builder --chown=10001:10001 /opt/pagedserve-cache /var/cache/pagedserve
 COPY ${CONFIG} /etc/pagedserve/config.yaml
 # PAGEDSERVE_* variables override the config file; the command line overrides both.
 ENV PATH=/opt/pagedserve/bin:$PATH \
