@@ -7,13 +7,24 @@ invalid values raise `ConfigError` with a one-line message that names the key.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import BaseModel, ByteSize, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ByteSize,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
 
 ENV_PREFIX = "PAGEDSERVE_"
 
@@ -58,6 +69,47 @@ class EngineConfig(BaseModel):
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
     seed: int | None = None
+    # Sampling defaults for the fields a request leaves out, as vLLM's settings of the same
+    # names (engine/sampling/defaults.py): 'auto' takes them from the model's generation
+    # config, 'vllm' ignores it (the neutral defaults: temperature 1, top_p 1, ...), or a
+    # folder holding a generation_config.json; override_generation_config's keys win.
+    generation_config: str = Field(
+        "auto",
+        min_length=1,
+        description="auto (the model's generation config), vllm (none: neutral "
+        "defaults), or a folder holding a generation_config.json; default: auto",
+    )
+    override_generation_config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="JSON object of sampling defaults over generation_config's, e.g. "
+        "'{\"temperature\": 0.5}'; keys: " + ", ".join(GENERATION_CONFIG_KEYS),
+    )
+
+    @field_validator("generation_config")
+    @classmethod
+    def _generation_config_source(cls, value: str) -> str:
+        if value in ("auto", "vllm"):
+            return value
+        folder = Path(value).expanduser()
+        if not (folder / GENERATION_CONFIG_FILE).is_file():
+            raise ValueError(f"'auto', 'vllm' or a folder holding {GENERATION_CONFIG_FILE}")
+        return str(folder)
+
+    @field_validator("override_generation_config", mode="before")
+    @classmethod
+    def _override_from_json(cls, value: object) -> object:
+        # The command line and the environment give a JSON object as text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
+
+    @field_validator("override_generation_config")
+    @classmethod
+    def _override_keys_and_values(cls, value: dict[str, Any]) -> dict[str, Any]:
+        return check_overrides(value)
 
     @model_validator(mode="after")
     def _quantization_is_cpu_only(self) -> EngineConfig:

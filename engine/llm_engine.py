@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -23,6 +24,7 @@ from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
+from engine.sampling.defaults import resolve_defaults
 from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.snapshot import EngineSnapshot, SequenceSnapshot
@@ -87,6 +89,7 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
+        self.default_sampling = self._sampling_defaults(config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
         if mode != "none":
             # The packing below takes plain `nn.Linear`s only: it leaves these alone.
@@ -152,6 +155,23 @@ class LLMEngine:
             self.model_name, self.dtype, self.device, self.num_kv_blocks, self.block_size,
             self.num_kv_blocks * self.block_size, self.max_model_len,
         )  # fmt: skip
+
+    def _sampling_defaults(self, config: EngineConfig) -> dict[str, Any]:
+        """The defaults for sampling fields a request leaves out (see
+        `engine.sampling.defaults`), logged once when they are not the neutral ones."""
+        try:
+            defaults, source = resolve_defaults(
+                config.generation_config,
+                config.override_generation_config,
+                self.model.generation_config,
+            )
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        if defaults:
+            logger.info(
+                "Default sampling parameters have been overridden by %s: %s", source, defaults
+            )
+        return defaults
 
     def _compiles(self, config: EngineConfig) -> bool:
         """Whether steps run through a compiled forward: `enforce_eager` false on the CPU,
