@@ -72,7 +72,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if forced_call is not None:
         aliases["structured_outputs"] = "tools"  # the grammar of a forced call
     with user_errors(_FIELDS, aliases=aliases):
-        params = body.sampling_params(max_tokens=max_tokens, logprobs=logprobs)
+        params = body.sampling_params(
+            max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
+        )
         if forced_call is not None:
             params = dataclasses.replace(params, structured_outputs=forced_call)
         messages, template_tools = template_inputs(body, syntax, tools)

@@ -51,5 +51,6 @@ async def list_models(request: Request) -> ModelList:
         created=state.started_at,
         root=llm.model_name,
         max_model_len=llm.max_model_len,
+        default_sampling_params=llm.default_sampling,
     )
     return ModelList(data=[card])

@@ -4,14 +4,16 @@ Request models are strict (`"n": true` or `"max_tokens": "5"` is a 400, not a gu
 closed: no field is silently dropped. A field a model declares is honoured; any other is
 a 400 naming it, except the `NO_OP_FIELDS`, which cannot change the output and are
 accepted and ignored. `UNSUPPORTED_FIELDS` says why a known field is refused; one sent as
-null asks for nothing and is accepted. `None` in a sampling field means "the default".
+null asks for nothing and is accepted. `None` in a sampling field (left out, or null)
+means "the default": the server's (`engine.sampling.defaults`), else SamplingParams'.
 Ranges are checked once, by `SamplingParams`, not here.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Annotated, Any, Literal
+from collections.abc import Mapping
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
@@ -24,6 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
+from engine.sampling.defaults import with_defaults
 from engine.sampling.params import SamplingParams, StructuredOutputs
 
 # Request fields that carry over to SamplingParams under the same name.
@@ -208,6 +211,9 @@ STRUCTURED_OUTPUT_FIELDS = (
 class SamplingRequest(_Body):
     """The fields completions and chat share; all map onto `SamplingParams`."""
 
+    # max_tokens when neither the request nor the server's defaults set it; None: the room
+    # left in the context.
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
     model: str
     n: int | None = None
     temperature: float | None = None
@@ -292,22 +298,30 @@ class SamplingRequest(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    def sampling_params(self, *, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-        """The request as `SamplingParams`; fields left out or null keep its defaults.
-        Raises ValueError naming the parameter when a value is out of range."""
-        given = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
-        values = {name: value for name, value in given.items() if value is not None}
+    def sampling_params(
+        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
+    ) -> SamplingParams:
+        """The request as `SamplingParams`: its own values (`max_tokens`: its limit, None if
+        it set none) win; a field it left out or sent as null takes the server's default
+        from `defaults` (see `engine.sampling.defaults`), else SamplingParams' own, and
+        `max_tokens` else `DEFAULT_MAX_TOKENS`. Raises ValueError naming the parameter
+        when a value is out of range."""
+        requested = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
+        requested["max_tokens"] = max_tokens
+        values = with_defaults(requested, {"max_tokens": self.DEFAULT_MAX_TOKENS, **defaults})
         if self.logit_bias is not None:
             values["logit_bias"] = _token_id_keys(self.logit_bias)
         structured = self.structured_outputs_spec()
         if structured is not None:
             values["structured_outputs"] = structured
-        return SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **values)
+        return SamplingParams(logprobs=logprobs, **values)
 
 
 class CompletionRequest(SamplingRequest):
+    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's
+
     prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list)]
-    max_tokens: int | None = 16
+    max_tokens: int | None = None
     echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None  # accepted when null or n: one sample per choice
@@ -625,6 +639,9 @@ class ModelCard(_Response):
     owned_by: str = "pagedserve"
     root: str
     max_model_len: int
+    # The defaults for sampling fields a request leaves out, in SamplingParams' names
+    # (engine/sampling/defaults.py); {}: SamplingParams' neutral ones.
+    default_sampling_params: dict[str, Any]
 
 
 class ModelList(_Response):
