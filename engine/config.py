@@ -56,15 +56,23 @@ class EngineConfig(BaseModel):
     # 'triton' is the Triton kernels (CUDA; not yet run on a GPU in this project, so 'auto'
     # keeps the torch path on CUDA).
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
-    # false on the CPU: every step runs one forward compiled by Inductor at start-up around
-    # the C++ attention kernel (engine/model/compiled_forward.py; the compiled code is kept
-    # under $PAGEDSERVE_CACHE/inductor). false on CUDA: decode steps replay CUDA graphs
-    # captured per batch-size bucket (needs attention_backend 'triton'; not yet run on a
-    # GPU in this project). True, the default: eager, what the tests compare against.
-    enforce_eager: bool = True
-    # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py):
-    # faster decode at small batches, at some quality; see the README's "Quantization".
-    quantization: Literal["none", "int8", "int4"] = "none"
+    # Whether steps run eagerly. null (the default): compiled wherever it can be, eager
+    # with one warning that says why where it cannot. false on the CPU: every step runs
+    # one forward compiled by Inductor around the C++ attention kernel, compiled once per
+    # machine, model and settings and loaded from $PAGEDSERVE_CACHE/compiled after that
+    # (engine/model/compiled_forward.py); start-up fails where it cannot. false on CUDA:
+    # decode steps replay CUDA graphs captured per batch-size bucket (needs
+    # attention_backend 'triton'; not yet run on a GPU in this project, so null stays
+    # eager on CUDA). true: eager, what the tests compare against.
+    enforce_eager: bool | None = Field(
+        None, description="default: compiled where it can be (a compiler is found), else eager"
+    )
+    # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py).
+    # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF in its own
+    # type: a GGUF whose linears are 4-bit (Q4_1, the default model's) runs int4, 5- to
+    # 8-bit runs int8, anything else (and any device or dtype the kernel does not take)
+    # stays unquantized. See the README's "Quantization".
+    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.
@@ -113,7 +121,7 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _quantization_is_cpu_only(self) -> EngineConfig:
-        if self.quantization != "none" and self.device == "cuda":
+        if self.quantization not in ("auto", "none") and self.device == "cuda":
             raise ValueError(
                 f"quantization '{self.quantization}' runs on the CPU only: its kernel "
                 "is C++ for the CPU"

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -68,13 +70,14 @@ class LLMEngine:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        mode = config.quantization
-        if mode != "none":
-            reason = quantized_linear.unavailable_reason(self.device, self.dtype, mode)
+        if config.quantization not in ("auto", "none"):
+            reason = quantized_linear.unavailable_reason(
+                self.device, self.dtype, config.quantization
+            )
             if reason is not None:
                 raise ConfigError(
-                    f"quantization '{mode}' cannot run in this engine ({self.dtype} on "
-                    f"{self.device}): {reason}"
+                    f"quantization '{config.quantization}' cannot run in this engine "
+                    f"({self.dtype} on {self.device}): {reason}"
                 )
         loaded = load_model(
             config.model,
@@ -91,17 +94,22 @@ class LLMEngine:
         self.eos_token_ids = loaded.eos_token_ids
         self.default_sampling = self._sampling_defaults(config)
         self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
+        self.quantization = mode = self._quantization(config, loaded.checkpoint_quantization)
         if mode != "none":
             # The packing below takes plain `nn.Linear`s only: it leaves these alone.
+            folder = Path(loaded.source)
             quantized_linear.quantize_linear_layers(
-                self.model, mode, quantized_linear.max_kernel_rows(self.dtype)
+                self.model,
+                mode,
+                quantized_linear.max_kernel_rows(self.dtype),
+                folder if folder.is_dir() else None,
             )
         if can_pack(self.device, self.dtype):
             pack_linear_layers(self.model)
         self.compiled = self._compiles(config)
         # Decode graphs: enforce_eager false wherever the forward is not compiled instead
         # (CUDA, which `_compiles` held to Triton, and Triton's interpreter on the CPU).
-        self.decode_graphs = not config.enforce_eager and not self.compiled
+        self.decode_graphs = config.enforce_eager is False and not self.compiled
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
@@ -126,8 +134,7 @@ class LLMEngine:
             decode_graphs=self.decode_graphs,
             compiled=self.compiled,
         )
-        if self.device.type == "cuda" or self.compiled:
-            self.runner.warm_up()
+        self._warm_up(config)
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
@@ -173,12 +180,35 @@ class LLMEngine:
             )
         return defaults
 
+    def _quantization(self, config: EngineConfig, checkpoint: str) -> str:
+        """The quantization mode this engine runs: the setting, or with 'auto' the one the
+        checkpoint ships in where the kernel can run it here (else none, with a warning)."""
+        if config.quantization != "auto":
+            return config.quantization
+        if checkpoint != "none":
+            reason = quantized_linear.unavailable_reason(self.device, self.dtype, checkpoint)
+            if reason is not None:
+                logger.warning(
+                    "the checkpoint's linears are %s, but the %s kernel cannot run here (%s): "
+                    "serving them unquantized in %s",
+                    checkpoint, checkpoint, reason, self.dtype,
+                )  # fmt: skip
+                return "none"
+            logger.info(
+                "quantization %s: the checkpoint's own type (quantization: auto)", checkpoint
+            )
+        return checkpoint
+
     def _compiles(self, config: EngineConfig) -> bool:
-        """Whether steps run through a compiled forward: `enforce_eager` false on the CPU,
-        where attention is the C++ kernel (on CUDA it means decode graphs, with Triton)."""
+        """Whether steps run through a compiled forward: on the CPU, where attention is the
+        C++ kernel, with `enforce_eager` false (else a `ConfigError` says why it cannot) or
+        unset (else a warning says why it runs eager). On CUDA `enforce_eager` false means
+        decode graphs, with Triton; unset stays eager there (not yet run on a GPU)."""
         if config.enforce_eager:
             return False
         if self.device.type == "cuda":
+            if config.enforce_eager is None:
+                return False
             if config.attention_backend != "triton":
                 raise ConfigError(
                     "enforce_eager false on CUDA (decode graphs) needs attention_backend "
@@ -187,19 +217,42 @@ class LLMEngine:
             return False
         if config.attention_backend == "triton":
             return False  # Triton's interpreter: the decode graphs' path, run eagerly (tests)
+        reason = self._cannot_compile_reason(config)
+        if reason is None:
+            return True
+        if config.enforce_eager is None:
+            logger.warning("serving eager, not compiled: %s", reason)
+            return False
+        raise ConfigError(
+            "enforce_eager false on the CPU compiles the forward around the C++ attention "
+            f"kernel, which this engine cannot use: {reason}"
+        )
+
+    def _cannot_compile_reason(self, config: EngineConfig) -> str | None:
+        if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
+            return "TORCHDYNAMO_DISABLE=1 is set"
         if config.attention_backend == "torch":
-            reason: str | None = "attention_backend is 'torch'"
-        else:
-            reason = unavailable_reason()
+            return "attention_backend is 'torch'"
+        reason = unavailable_reason()
         head_dim = KVLayout.from_config(self.model.config).head_dim
         if reason is None and not supports(self.dtype, head_dim, self.device):
-            reason = f"it does not take {self.dtype} with head_dim {head_dim}"
-        if reason is not None:
-            raise ConfigError(
-                "enforce_eager false on the CPU compiles the forward around the C++ attention "
-                f"kernel, which this engine cannot use: {reason}"
-            )
-        return True
+            reason = f"the C++ attention kernel does not take {self.dtype} with head_dim {head_dim}"
+        return reason
+
+    def _warm_up(self, config: EngineConfig) -> None:
+        """Capture the decode graphs or compile (or load) the forward. With `enforce_eager`
+        unset, a forward that cannot be compiled here leaves the engine eager, with one
+        warning that says why."""
+        if self.device.type != "cuda" and not self.compiled:
+            return
+        try:
+            self.runner.warm_up()
+        except ConfigError as exc:
+            if not self.compiled or config.enforce_eager is not None:
+                raise
+            logger.warning("serving eager, not compiled: %s", exc)
+            self.runner.compiled = None
+            self.compiled = False
 
     def _profile_num_blocks(self, layout: KVLayout) -> int:
         """Size the KV cache from the memory the model leaves free.
