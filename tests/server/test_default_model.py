@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+import httpx
 import pytest
 
+from engine.model.loader import DEFAULT_MODEL_GENERATION_CONFIG, default_model_folder
 from server.config import ServeConfig
 from tests.server.conftest import client, live_server
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+# The README's first curl: no sampling field at all.
+README_BODY = {"model": "SmolLM2-135M-Instruct", "messages": QUESTION}
 
 
 @pytest.fixture(scope="module")
@@ -23,6 +28,8 @@ def default_server() -> Iterator[str]:
         max_model_len=1024,
         # The start-up profiling pass runs a batch this large; keep it short on a CPU.
         max_num_batched_tokens=256,
+        # Sampled requests draw from one seeded generator: the same answers on every run.
+        seed=0,
     )
     with live_server(config) as url:
         yield url
@@ -45,3 +52,24 @@ def test_capital_of_france_is_paris(default_server: str) -> None:
     # The same conversation again is served from the prefix cache.
     again = api.chat.completions.create(model=model.id, messages=QUESTION, max_tokens=1)
     assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_the_converted_model_ships_its_sampling_defaults(default_server: str) -> None:
+    written = json.loads((default_model_folder() / "generation_config.json").read_text())
+    assert written.items() >= DEFAULT_MODEL_GENERATION_CONFIG.items()
+    [model] = client(default_server).models.list().data
+    assert model.model_extra["default_sampling_params"] == {
+        "temperature": 0.2,
+        "top_p": 0.9,
+        "repetition_penalty": 1.1,
+    }
+
+
+def test_the_readme_request_gets_a_short_answer_at_the_defaults(default_server: str) -> None:
+    url = f"{default_server}/v1/chat/completions"
+    for _ in range(4):
+        reply = httpx.post(url, json=README_BODY, timeout=120).json()
+        [choice] = reply["choices"]
+        assert "Paris" in choice["message"]["content"]
+        assert choice["finish_reason"] == "stop"
+        assert reply["usage"]["completion_tokens"] <= 64
