@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig
 
 from engine import LLM, SamplingParams
 
@@ -20,16 +20,23 @@ def random_prompts(vocab_size: int, lengths=PROMPT_LENGTHS, seed: int = 0) -> li
 
 
 def reference_greedy(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    # Neutral generation settings: generate() fills what a call leaves at its default from
+    # the model's own generation config, whose sampling defaults (the default model's
+    # repetition penalty among them) would change greedy choices.
+    saved, model.generation_config = model.generation_config, GenerationConfig()
     outputs = []
-    for prompt in prompts:
-        generated = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=max_tokens,
-            min_new_tokens=max_tokens,
-            do_sample=False,
-            pad_token_id=0,
-        )
-        outputs.append(generated[0, len(prompt) :].tolist())
+    try:
+        for prompt in prompts:
+            generated = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=max_tokens,
+                min_new_tokens=max_tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )
+            outputs.append(generated[0, len(prompt) :].tolist())
+    finally:
+        model.generation_config = saved
     return outputs
 
 

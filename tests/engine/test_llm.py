@@ -133,7 +133,9 @@ def test_sliding_window_models_are_refused(tmp_path: Path):
 
 @pytest.mark.slow
 def test_default_model_chat_answers_paris():
-    llm = LLM("default", max_model_len=512, kv_cache_memory="256MiB")
+    # fp32: eager int4 in bf16 (the suite runs eager) starts this answer with "L'Étoile"
+    # at greedy, a near tie that the served compiled forward and fp32 resolve to "The".
+    llm = LLM("default", max_model_len=512, kv_cache_memory="256MiB", dtype="float32")
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in output.outputs[0].text

@@ -1,6 +1,7 @@
 """Two `pagedserve serve` started at once on an empty cache, with the shipped default
 config: the first start's work (converting the default model, building the C++ kernels
-it uses) is done once, by one of them, and both serve."""
+it uses, quantizing its linears, compiling the forward) is done once, by one of them, and
+both serve compiled."""
 
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ START_TIMEOUT = 600
 ONCE = (
     "converting SmolLM2-135M-Instruct.Q4_1.gguf once into",
     "building the C++ paged_attention kernel once into",
+    "building the C++ group_linear kernel once into",
+    "quantizing the model's linears to int4 once into",
+    "compiling the forward once into",
 )
 
 
 def test_two_servers_started_at_once_on_an_empty_cache_both_serve(tmp_path: Path) -> None:
     env = os.environ | {"PAGEDSERVE_CACHE": str(tmp_path / "cache")}
+    env.pop("PAGEDSERVE_ENFORCE_EAGER", None)  # the suite's eager default: serve as shipped
     urls, logs, servers = [], [], []
     for i in range(2):
         port = free_port()
@@ -50,6 +55,7 @@ def test_two_servers_started_at_once_on_an_empty_cache_both_serve(tmp_path: Path
     assert answers[0] == answers[1] and answers[0], answers  # one model, greedy: same tokens
     for work in ONCE:
         assert text.count(work) == 1, (work, text[-5000:])
+    assert text.count("compiled forward ready") == 2, text[-5000:]
     # One converted model, and no staging folder left beside it.
     converted = tmp_path / "cache" / "converted"
     [model] = [path for path in converted.iterdir() if not path.name.endswith(".lock")]
