@@ -2,8 +2,8 @@
 
 Quantizing SmolLM2-135M's 211 linears took 0.9 s on a quiet 2-core CPU but 9 to 19 s
 while other processes competed for its cores (torch's threads then wait on each other),
-at every start; the packed result (98 MB in int4) loads in a fraction of a second. `packed_weights` returns
-every eligible linear's `PackedWeight` by module name, from
+at every start; the packed result (98 MB in int4) loads in a fraction of a second.
+`packed_weights` returns every eligible linear's `PackedWeight` by module name, from
 `$PAGEDSERVE_CACHE/quantized/<key>/weights.safetensors`, made first if missing (once, safe
 to race: `first_use.build_once`).
 
