@@ -13,8 +13,8 @@ block tables through the runner's device copy, gathered inside the graph by row.
 
 Without CUDA (Triton's interpreter, for tests) nothing is captured: the same static,
 padded forward runs eagerly, so the bucketing and padding are tested on the CPU. Graph
-capture itself has not run on a GPU in this project yet; `enforce_eager` (the default)
-leaves this module unused.
+capture itself has not run on a GPU in this project yet; only `enforce_eager: false` on
+CUDA uses this module (unset, the default, stays eager there).
 """
 
 from __future__ import annotations
