@@ -27,11 +27,11 @@ from typing import Any, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.llm_engine import EngineStats, LLMEngine
+from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request.intake import EngineRequest, Message, Prompt, RequestProcessor
 from engine.sampling.params import SamplingParams
-from engine.snapshot import EngineSnapshot
+from engine.snapshot import EngineSnapshot, EngineStats
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +28,13 @@ from engine.request.state import RequestState
 from engine.sampling.defaults import resolve_defaults
 from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
-from engine.snapshot import EngineSnapshot, SequenceSnapshot
+from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
 
 # A model's own limit is often far beyond what a CPU serves usefully; cap the default.
 DEFAULT_MAX_MODEL_LEN = 8192
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """A snapshot for metrics; token counts are totals since start."""
-
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    used_kv_blocks: int
-    cached_free_kv_blocks: int
-    kv_usage: float
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_evictions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    num_preemptions: int
 
 
 class LLMEngine:

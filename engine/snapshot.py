@@ -3,15 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 from cache import BlockState
 from scheduler import Sequence, SequenceStatus
 
-if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats
+__all__ = ["BlockState", "EngineSnapshot", "EngineStats", "SequenceSnapshot"]
 
-__all__ = ["BlockState", "EngineSnapshot", "SequenceSnapshot"]
+
+@dataclass(slots=True)
+class EngineStats:
+    """A snapshot for metrics; token counts are totals since start."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    used_kv_blocks: int
+    cached_free_kv_blocks: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    prefix_cache_evictions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    num_preemptions: int
 
 
 @dataclass(slots=True, frozen=True)

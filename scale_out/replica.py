@@ -22,8 +22,7 @@ from starlette.types import Message
 from scale_out.forwarding import ForwardedRequest, call_app
 from scale_out.router import NUM_KV_BLOCKS
 from server.app import build_app
-from server.cli import LOG_FORMAT
-from server.config import ServeConfig
+from server.config import LOG_FORMAT, ServeConfig
 from server.state import ServerState
 
 if TYPE_CHECKING:

@@ -18,10 +18,9 @@ from typing import Any, Literal, NoReturn, get_args, get_origin
 import uvicorn
 
 from engine.config import ConfigError
-from server.config import DEFAULT_PRESET, ServeConfig, resolve_serve_config
+from server.config import DEFAULT_PRESET, LOG_FORMAT, ServeConfig, resolve_serve_config
 
 USAGE_ERROR = 2
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class _Parser(argparse.ArgumentParser):

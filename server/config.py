@@ -26,6 +26,10 @@ DEFAULT_PRESET: dict[str, Any] = {
 }
 
 
+# The log lines of a server process and of each Ray Serve replica.
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
 class ServeConfig(EngineConfig):
     """EngineConfig plus the HTTP settings; frozen and closed to unknown keys like its base."""
 

@@ -15,8 +15,7 @@ from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from engine.errors import EngineError
-from engine.llm_engine import EngineStats
-from engine.snapshot import BlockState, SequenceSnapshot
+from engine.snapshot import BlockState, EngineStats, SequenceSnapshot
 from server.auth import require_api_key
 from server.errors import OpenAIError
 from server.history import Sample

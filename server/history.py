@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from prometheus_client import Histogram
 
 if TYPE_CHECKING:
-    from engine.llm_engine import EngineStats
+    from engine.snapshot import EngineStats
 
 INTERVAL = 1.0  # seconds between samples
 WINDOW = 300.0  # seconds of samples kept

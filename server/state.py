@@ -18,7 +18,7 @@ from server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
-    from engine.llm_engine import EngineStats
+    from engine.snapshot import EngineStats
 
 
 @dataclass(slots=True)

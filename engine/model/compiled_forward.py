@@ -67,6 +67,7 @@ from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.decode_graphs import PADDING_ROW
 from engine.model.kernels.cpp_extension import cpu_flags
 from engine.model.model_forward import model_logits
+from engine.model.opaque_linear import OpaqueLinear
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -247,4 +248,4 @@ def _step(
 
 def _handles(model: PreTrainedModel) -> list[int]:
     """The registry handles of the model's opaque linears: constants in the graph."""
-    return [module.handle for module in model.modules() if hasattr(module, "handle")]
+    return [module.handle for module in model.modules() if isinstance(module, OpaqueLinear)]

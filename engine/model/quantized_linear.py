@@ -192,11 +192,13 @@ def quantize_linear_layers(
         if type(module) is nn.Linear and group_linear.supports(module.in_features)
     }
     names = {id(linear): name for name, linear in linears.items()}
+    # With a dense path (`kernel_rows` set), its copy is dequantized from the loaded
+    # weight, so the kernel's codes come from that weight too (unsaved), not the file's.
     weights = quantized_store.packed_weights(
         linears,
         lambda name: HEAD_BITS if linears[name] is head else MODES[mode],
         mode,
-        folder,
+        folder if kernel_rows is None else None,
     )
 
     def quantized(linear: nn.Linear) -> nn.Module:

@@ -24,7 +24,7 @@ from prometheus_client import Histogram
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.llm_engine import EngineStats
+from engine.snapshot import EngineStats
 from server.history import StatsHistory
 from tests.server.conftest import live_server, tiny_config
 
