@@ -107,8 +107,9 @@ def test_a_huge_prompt_does_not_stall_running_streams(server_process: str) -> No
     assert during, "no chunk arrived while the huge prompt was processed"
     # On the event loop, rendering and tokenizing would freeze every stream for all of
     # `took`. Off it, streams keep their pace; the intake thread's share of the two cores
-    # still costs a step now and then some tens of milliseconds.
-    assert statistics.median(during) <= 2 * steady, (
+    # still costs a step now and then some tens of milliseconds, and with 3 ms steps a
+    # busy CI machine's noise alone has doubled the median (7.2 ms from 3.2 once).
+    assert statistics.median(during) <= 3 * steady, (
         f"streams slowed to {statistics.median(during) * 1000:.1f} ms per chunk from "
         f"{steady * 1000:.1f} while a {HUGE_PROMPT_CHARS}-character prompt was processed"
     )
