@@ -10,6 +10,7 @@ from tqdm.auto import tqdm
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from engine.config import EngineConfig, load_config
+from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request.intake import EngineRequest, Message, Prompt, as_prompt_list
@@ -40,7 +41,9 @@ class LLM:
         `prompts` is a string, a list of token ids, or a list of either; `sampling_params`
         one for all prompts or one per prompt (default: `SamplingParams` with the sampling
         defaults in force, see `engine.sampling.defaults`). Every prompt is
-        checked before any runs: one invalid prompt raises ValueError and runs nothing.
+        checked before any runs: one invalid prompt raises ValueError and runs nothing. A
+        request the engine fails (a step's error, a prompt the KV cache cannot hold) raises
+        `EngineError` with the reason, and the other requests are aborted.
         """
         batch = as_prompt_list(prompts, mixed=True)
         params_list = self._params_per_prompt(sampling_params, len(batch))
@@ -92,6 +95,8 @@ class LLM:
                         whole = outputs.setdefault(output.request_id, output)
                         if whole is not output:
                             whole.add(output)
+                        if output.error is not None:
+                            raise EngineError(f"the engine failed a request: {output.error}")
                         if output.finished:
                             bar.update()
             except BaseException:

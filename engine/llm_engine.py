@@ -13,13 +13,14 @@ import torch
 from cache import BlockManager, bytes_per_block, cdiv, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.model import quantized_linear
-from engine.model.attention import check_model_supported, register_paged_attention
+from engine.model.attention import register_paged_attention
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kernels.paged_attention import supports, unavailable_reason
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.runner import ModelRunner
+from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
@@ -68,7 +69,8 @@ class LLMEngine:
                 config.attention_backend, self.device, self.dtype, config.block_size
             ),
         )
-        check_model_supported(loaded.model)
+        # Before any weight is packed: the probe runs the model as loaded.
+        self.kv_layout = probe_attention(loaded.model)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -101,7 +103,7 @@ class LLMEngine:
                 f" must be at least max_model_len ({self.max_model_len}) so any prompt fits a step"
             )
         self.block_size = config.block_size
-        layout = KVLayout.from_config(self.model.config)
+        layout = self.kv_layout
         self.num_kv_blocks = self._profile_num_blocks(layout)
         kv_cache = allocate_kv_cache(
             layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
@@ -215,7 +217,7 @@ class LLMEngine:
         if config.attention_backend == "torch":
             return "attention_backend is 'torch'"
         reason = unavailable_reason()
-        head_dim = KVLayout.from_config(self.model.config).head_dim
+        head_dim = self.kv_layout.head_dim
         if reason is None and not supports(self.dtype, head_dim, self.device):
             reason = f"the C++ attention kernel does not take {self.dtype} with head_dim {head_dim}"
         return reason

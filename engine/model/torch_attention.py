@@ -3,7 +3,7 @@
 Both functions take the step's packed query rows `q [T, H, D]`, one layer's caches
 `[num_blocks, block_size, Hkv, D]` and the step's `PagedAttentionMetadata`, and return
 `[T, H, D]`: for the row at position p, softmax(scale * q . K^T) V over positions 0..p of
-its sequence.
+its sequence, with the layer's `AttentionFeatures` (window, softcap, sinks) applied.
 
 - `blockwise_attention` is the CPU's torch backend. It computes every row, decoded or
   prefilled, with the arithmetic of the C++ kernel's contract (not its bits): one KV
@@ -27,7 +27,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention_metadata import DecodePrefillSplit, PagedAttentionMetadata
+from engine.model.attention_metadata import (
+    AttentionFeatures,
+    DecodePrefillSplit,
+    PagedAttentionMetadata,
+)
+
+NO_FEATURES = AttentionFeatures()
 
 # Rows times heads times block_size then fills 64-float vectors for any head count.
 ROW_MULTIPLE = 8
@@ -39,6 +45,7 @@ def blockwise_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    features: AttentionFeatures = NO_FEATURES,
 ) -> torch.Tensor:
     rows, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -47,6 +54,8 @@ def blockwise_attention(
     seq_of_row = torch.arange(len(counts)).repeat_interleave(counts)
     positions = torch.from_numpy(meta.positions_host)
     last_block = int(positions.max()) // block_size if rows else -1
+    window = features.sliding_window
+    first_block = max(0, int(positions.min()) - window + 1) // block_size if window and rows else 0
     pad = -rows % ROW_MULTIPLE
     positions = F.pad(positions, (0, pad)).to(q.device)  # padding rows: position 0 of seq 0
     tables = meta.block_tables[F.pad(seq_of_row, (0, pad)).to(q.device)]
@@ -55,20 +64,30 @@ def blockwise_attention(
     query = query.view(-1, 1, num_kv_heads, group, head_dim)
 
     shape = (rows + pad, num_kv_heads, group)
-    running_max = torch.full(shape, float("-inf"), device=q.device)
-    running_sum = torch.zeros(shape, device=q.device)
+    if features.sinks is None:
+        running_max = torch.full(shape, float("-inf"), device=q.device)
+        running_sum = torch.zeros(shape, device=q.device)
+    else:  # the sink is a logit seen first, whose value is dropped: max = sink, sum = 1
+        running_max = features.sinks.view(1, num_kv_heads, group).expand(shape).clone()
+        running_sum = torch.ones(shape, device=q.device)
     acc = torch.zeros(*shape, head_dim, device=q.device)
     offsets = torch.arange(block_size, device=q.device)
-    for block in range(last_block + 1):
+    for block in range(first_block, last_block + 1):
         ids = tables[:, block]
-        visible = block * block_size + offsets[None, :] <= positions[:, None]  # [R, block]
+        key_positions = block * block_size + offsets[None, :]
+        visible = key_positions <= positions[:, None]  # [R, block]
+        if window:
+            visible &= key_positions > positions[:, None] - window
         hidden = ~visible[:, :, None, None]
-        active = visible[:, 0, None, None]
+        active = visible.any(1)[:, None, None]
         keys = k_cache[ids].float()[:, :, :, None]  # [R, block, Hkv, 1, D]
         values = v_cache[ids].float().masked_fill(hidden, 0.0)  # unwritten slots may be NaN
-        scores = (query * keys).sum(-1).masked_fill(hidden, float("-inf"))  # [R, block, Hkv, G]
+        scores = (query * keys).sum(-1)  # [R, block, Hkv, G]
+        if features.softcap:
+            scores = torch.tanh(scores / features.softcap) * features.softcap
+        scores = scores.masked_fill(hidden, float("-inf"))
         new_max = torch.maximum(running_max, scores.amax(1))
-        new_max = torch.where(active, new_max, 0.0)  # rows not yet at this block: no inf - inf
+        new_max = torch.where(active, new_max, 0.0)  # rows seeing none of it: no inf - inf
         correction = torch.exp(running_max - new_max)
         weights = torch.exp(scores - new_max[:, None])
         new_sum = correction * running_sum + weights.sum(1)
@@ -86,22 +105,23 @@ def gathered_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    features: AttentionFeatures = NO_FEATURES,
 ) -> torch.Tensor:
     split = meta.decode_prefill_split()
     group = q.shape[1] // k_cache.shape[2]
     if not split.prefills:  # every row is a decode row, in order: no gather, no scatter
-        return _decode_attention(q, k_cache, v_cache, split, scale)
+        return _decode_attention(q, k_cache, v_cache, split, scale, features)
     out = torch.empty_like(q)
     if split.decode_rows.numel():
         out[split.decode_rows] = _decode_attention(
-            q[split.decode_rows], k_cache, v_cache, split, scale
+            q[split.decode_rows], k_cache, v_cache, split, scale, features
         )
     for seq, start, end in split.prefills:
         context_len = int(meta.context_lens_host[seq])
         blocks = meta.block_tables[seq, : -(-context_len // k_cache.shape[1])]
         keys = k_cache[blocks].flatten(0, 1)[:context_len]  # [S, Hkv, D]
         values = v_cache[blocks].flatten(0, 1)[:context_len]
-        out[start:end] = attend_causal(q[start:end], keys, values, scale, group)
+        out[start:end] = attend_causal(q[start:end], keys, values, scale, group, features)
     return out
 
 
@@ -111,6 +131,7 @@ def _decode_attention(
     v_cache: torch.Tensor,
     split: DecodePrefillSplit,
     scale: float,
+    features: AttentionFeatures,
 ) -> torch.Tensor:
     """One query token per row, grouped by KV head: q `[B, H, D]` -> `[B, H, D]`."""
     rows, num_heads, head_dim = q.shape
@@ -119,10 +140,27 @@ def _decode_attention(
     values = v_cache[split.decode_block_tables].flatten(1, 2)
     grouped = q.view(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bhgd,bshd->bhgs", grouped, keys).float() * scale
-    padding = torch.arange(keys.shape[1], device=q.device) >= split.decode_context_lens[:, None]
-    scores.masked_fill_(padding[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1).to(values.dtype)
+    key_positions = torch.arange(keys.shape[1], device=q.device)
+    lens = split.decode_context_lens[:, None]
+    hidden = key_positions >= lens
+    if features.sliding_window:
+        hidden |= key_positions <= lens - 1 - features.sliding_window
+    probs = _softmax(scores, hidden[:, None, None, :], features).to(values.dtype)
     return torch.einsum("bhgs,bshd->bhgd", probs, values).reshape(rows, num_heads, head_dim)
+
+
+def _softmax(
+    scores: torch.Tensor, hidden: torch.Tensor, features: AttentionFeatures
+) -> torch.Tensor:
+    """Softmax over the last axis of `scores [..., Hkv, G, S]` (fp32) with the hidden keys
+    left out, after the softcap, with each head's sink logit in the denominator."""
+    if features.softcap:
+        scores = torch.tanh(scores / features.softcap) * features.softcap
+    scores = scores.masked_fill(hidden, float("-inf"))
+    if features.sinks is None:
+        return scores.softmax(dim=-1)
+    sinks = features.sinks.view(*scores.shape[-3:-1], 1).expand(*scores.shape[:-1], 1)
+    return torch.cat([scores, sinks], dim=-1).softmax(dim=-1)[..., :-1]
 
 
 def attend_causal(
@@ -131,19 +169,32 @@ def attend_causal(
     values: torch.Tensor,
     scale: float,
     group_size: int,
+    features: AttentionFeatures = NO_FEATURES,
 ) -> torch.Tensor:
     """q `[Tq, H, D]` at the last Tq of S positions, keys/values `[S, Hkv, D]` -> `[Tq, H, D]`.
 
-    Query i sits at position S - Tq + i and sees keys up to and including it. The tensors
-    go to `scaled_dot_product_attention` as `[1, heads, tokens, D]`: with a batch dimension
-    it takes its fused flash kernel on the CPU too (3-4x the 3-D call's speed for chunks of
-    256+ tokens), and a chunk that is its whole context needs no mask (`is_causal`).
+    Query i sits at position S - Tq + i and sees keys up to and including it (and within
+    the window). The tensors go to `scaled_dot_product_attention` as `[1, heads, tokens,
+    D]`: with a batch dimension it takes its fused flash kernel on the CPU too (3-4x the
+    3-D call's speed for chunks of 256+ tokens), and a chunk that is its whole context
+    needs no mask (`is_causal`). SDPA has no softcap or sinks: with either, the scores are
+    computed here.
     """
     num_queries, context_len = q.shape[0], keys.shape[0]
     mask = None
-    if num_queries != context_len:
+    plain = not features.softcap and features.sinks is None
+    if num_queries != context_len or features.sliding_window or not plain:
         query_pos = torch.arange(context_len - num_queries, context_len, device=q.device)
-        mask = torch.arange(context_len, device=q.device)[None, :] <= query_pos[:, None]
+        key_pos = torch.arange(context_len, device=q.device)[None, :]
+        mask = key_pos <= query_pos[:, None]
+        if features.sliding_window:
+            mask &= key_pos > query_pos[:, None] - features.sliding_window
+    if not plain:
+        grouped = q.view(num_queries, keys.shape[1], group_size, q.shape[2])
+        scores = torch.einsum("qhgd,shd->hgqs", grouped, keys).float() * scale
+        probs = _softmax(scores, ~mask, features).to(values.dtype)
+        out = torch.einsum("hgqs,shd->qhgd", probs, values)
+        return out.reshape(q.shape)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=group_size > 1,

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.errors import UnsupportedModelError
+from engine.errors import EngineError, UnsupportedModelError
 from engine.model.attention import ATTN_IMPLEMENTATION_CPP
 from engine.model.kernels.paged_attention import unavailable_reason
 
@@ -115,20 +115,35 @@ def test_invalid_requests_are_refused(llm: LLM):
     assert not llm.engine.has_unfinished_requests()
 
 
-def test_sliding_window_models_are_refused(tmp_path: Path):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+def test_an_attention_argument_paged_attention_lacks_stops_the_load(
+    tiny_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+):
+    # As if a transformers upgrade passed a new argument: refused by name at load.
+    from transformers.models.llama.modeling_llama import LlamaAttention
 
-    from tests.tiny_models import build_tokenizer
+    forward = LlamaAttention.forward
 
-    tokenizer = build_tokenizer(tmp_path)
-    config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, use_sliding_window=True,
-        sliding_window=16, max_window_layers=0,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="full attention"):
-        LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    def with_new_argument(self, *args, **kwargs):
+        return forward(self, *args, attention_temperature=0.5, **kwargs)
+
+    monkeypatch.setattr(LlamaAttention, "forward", with_new_argument)
+    with pytest.raises(UnsupportedModelError, match=r"\(llama\).*`attention_temperature`"):
+        LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB")
+
+
+def test_a_failed_request_raises_instead_of_returning_empty(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+):
+    def broken(*args, **kwargs):
+        raise RuntimeError("the device fell over")
+
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    with monkeypatch.context() as patch:
+        patch.setattr(llm.engine.runner, "execute", broken)
+        with pytest.raises(EngineError, match="the device fell over"):
+            llm.generate(["a", "bb"], params, use_tqdm=False)
+    assert not llm.engine.has_unfinished_requests()
+    assert len(llm.generate("a", params, use_tqdm=False)[0].outputs[0].token_ids) == 5
 
 
 @pytest.mark.slow

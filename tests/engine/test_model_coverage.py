@@ -1,0 +1,189 @@
+"""Which architectures pagedserve serves right, and which it refuses: the coverage matrix.
+
+Each architecture is a tiny random-weight model built from its transformers config in a
+second (hidden 128, 2 layers, 4 heads, 2 KV heads), with sliding windows (16), logit
+softcaps and attention sinks set small enough to change tokens. Served ones must give
+`generate()`'s greedy tokens (eager attention, fp32) for six prompts of 5-100 tokens (two
+sharing a 40-token prefix) under the default settings, chunked prefill and the torch
+attention backend, and in bf16 each prompt alone must give what it gives in the batch.
+Refused ones must say what they lack, before their weights load. The README's "Supported
+models" lists this matrix.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from engine import LLM, SamplingParams
+from engine.errors import UnsupportedModelError
+from tests.tiny_models import build_tokenizer
+
+pytestmark = pytest.mark.slow
+
+WINDOW = 16
+MAX_TOKENS = 24
+SLIDING = {"sliding_window": WINDOW}
+HALF_SLIDING = {**SLIDING, "layer_types": ["sliding_attention", "full_attention"]}
+MOE = {"num_local_experts": 4, "num_experts_per_tok": 2}
+# query_pre_attn_scalar 1: scores large enough for a softcap of 1 to change tokens.
+SOFTCAPPED = {**HALF_SLIDING, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 1}
+OMIT = object()  # a common field this config does not take
+
+# model type, config fields over the common tiny ones.
+SERVED: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "qwen2": ("qwen2", {}),
+    "qwen2-sliding": ("qwen2", {**SLIDING, "use_sliding_window": True, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {}),
+    "qwen3_moe": ("qwen3_moe", {"num_experts": 4, "num_experts_per_tok": 2}),
+    "mistral": ("mistral", {"sliding_window": None}),
+    "mistral-sliding": ("mistral", SLIDING),
+    "mixtral-sliding": ("mixtral", {**SLIDING, **MOE}),
+    "phi3-sliding": ("phi3", SLIDING),
+    "starcoder2-sliding": ("starcoder2", SLIDING),
+    "gemma": ("gemma", {}),
+    "gemma2": (
+        "gemma2",
+        {**HALF_SLIDING, "attn_logit_softcapping": 1.0, "query_pre_attn_scalar": 1},
+    ),
+    "gemma3": ("gemma3_text", HALF_SLIDING),
+    "gpt_oss": ("gpt_oss", {**HALF_SLIDING, **MOE}),
+    "exaone4": ("exaone4", HALF_SLIDING),
+    "cohere2": ("cohere2", HALF_SLIDING),
+    "olmo3": ("olmo3", HALF_SLIDING),
+    "phi": ("phi", {}),
+    "olmo2": ("olmo2", {}),
+    "granite": ("granite", {}),
+    "gpt_neox": ("gpt_neox", {}),
+    "gpt2": ("gpt2", {"n_embd": 128, "n_layer": 2, "n_head": 4, "n_positions": 2048}),
+    "cohere": ("cohere", {}),
+    "glm4": ("glm4", {}),
+    "smollm3": ("smollm3", {}),
+    "deepseek_v3-mla": (
+        "deepseek_v3",
+        {
+            "kv_lora_rank": 32,
+            "q_lora_rank": 64,
+            "qk_nope_head_dim": 32,
+            "qk_rope_head_dim": 16,
+            "head_dim": 16,
+            "v_head_dim": 32,
+            "num_key_value_heads": 4,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "first_k_dense_replace": 1,
+            "n_group": 1,
+            "topk_group": 1,
+        },
+    ),
+}
+
+# model type, config fields, what the refusal must name.
+REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
+    "falcon": ("falcon", {"head_dim": OMIT}, "attention interface"),
+    "bloom": ("bloom", {}, "attention interface"),
+    "mamba": ("mamba", {}, "recurrent state"),
+    "qwen3_next": ("qwen3_next", {}, "recurrent state"),
+    "jamba": ("jamba", {}, "recurrent state"),
+    "falcon_h1": ("falcon_h1", {}, "recurrent state"),
+    "granitemoehybrid": ("granitemoehybrid", {}, "recurrent state"),
+    "llama4-chunked": ("llama4_text", {"attention_chunk_size": 32}, "chunked"),
+}
+
+SETTINGS = {
+    "default": {},
+    "chunked": {"max_num_batched_tokens": 20},
+    "torch-attention": {"attention_backend": "torch"},
+}
+
+
+def tiny_config(model_type: str, fields: dict[str, Any], tokenizer) -> Any:
+    common = dict(
+        vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+        max_position_embeddings=2048, eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id, bos_token_id=None, tie_word_embeddings=False,
+    )  # fmt: skip
+    fields = {key: value for key, value in {**common, **fields}.items() if value is not OMIT}
+    config = AutoConfig.for_model(model_type, **fields)
+    config.architectures = [AutoModelForCausalLM._model_mapping[type(config)].__name__]
+    return config
+
+
+def build(folder: Path, model_type: str, fields: dict) -> Path:
+    tokenizer = build_tokenizer(folder)
+    config = tiny_config(model_type, fields, tokenizer)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        # Decisive greedy choices (fp32 rounding does not pick tokens); attention scores,
+        # outputs and sinks large enough that the window, the softcap and the sinks change
+        # tokens.
+        model.get_input_embeddings().weight.normal_(0, 1.0)
+        for name, parameter in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")):
+                parameter.mul_(4.0)
+            elif name.endswith("sinks"):
+                parameter.normal_(0, 1.0)
+    model.save_pretrained(folder)
+    return folder
+
+
+def prompts(vocab_size: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    draw = lambda n: torch.randint(3, vocab_size, (n,), generator=generator).tolist()  # noqa: E731
+    prefix = draw(40)
+    return [draw(5), draw(100), prefix + draw(10), draw(17), prefix + draw(30), draw(64)]
+
+
+def reference(folder: Path, batch: list[list[int]]) -> list[list[int]]:
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model.generation_config = GenerationConfig()
+    out = []
+    for prompt in batch:
+        generated = model.generate(
+            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+        out.append(generated[0, len(prompt) :].tolist())
+    return out
+
+
+def greedy(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+@pytest.mark.parametrize("name", list(SERVED))
+def test_served_architectures_match_generate(tmp_path: Path, name: str):
+    model_type, fields = SERVED[name]
+    folder = build(tmp_path / name, model_type, fields)
+    batch = prompts(AutoConfig.from_pretrained(folder).get_text_config().vocab_size)
+    expected = reference(folder, batch)
+    for setting, overrides in SETTINGS.items():
+        llm = LLM(str(folder), dtype="float32", kv_cache_memory="16MiB", **overrides)
+        assert greedy(llm, batch) == expected, f"{name} under {setting} settings"
+    bf16 = LLM(str(folder), dtype="bfloat16", kv_cache_memory="16MiB")
+    together = greedy(bf16, batch)
+    alone = [greedy(bf16, [prompt])[0] for prompt in batch]
+    assert alone == together, f"{name} in bf16: a prompt alone differs from it in the batch"
+
+
+@pytest.mark.parametrize("name", list(REFUSED))
+def test_refused_architectures_say_what_they_lack_before_loading(tmp_path: Path, name: str):
+    model_type, fields, missing = REFUSED[name]
+    tokenizer = build_tokenizer(tmp_path)
+    # Only the config and the tokenizer: a refusal that needed the weights would fail to
+    # load instead.
+    tiny_config(model_type, fields, tokenizer).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=missing) as refusal:
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory="16MiB")
+    assert model_type in str(refusal.value)
