@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from cache.block import KVCacheBlock, cdiv
@@ -30,13 +30,15 @@ class _SeqBlocks:
 
     Invariants: each of `blocks[:num_hashed]` was a prefix hit, got registered, or was found
     to duplicate a registered block; `prefix_id` names the token prefix they hold, or is
-    None once a hash collision left the prefix without an id, which ends registration for
-    this sequence.
+    None once a hash collision left the prefix without an id (or registration reached a
+    released block), which ends registration for this sequence. `blocks[:num_released]`
+    keep their places in the table but are no longer held by it (`release_before`).
     """
 
     blocks: list[KVCacheBlock]
     num_hashed: int = 0
     prefix_id: int | None = _EMPTY_PREFIX
+    num_released: int = 0
 
 
 class BlockManager:
@@ -185,6 +187,9 @@ class BlockManager:
             return
         hashes = self._hashes(token_ids, num_full, block_hashes)
         while seq.num_hashed < num_full and seq.prefix_id is not None:
+            if seq.num_hashed < seq.num_released:  # another sequence may own it by now
+                seq.prefix_id = None
+                break
             start = seq.num_hashed * size
             tokens = tuple(token_ids[start : start + size])
             block_hash = hashes[seq.num_hashed]
@@ -218,7 +223,25 @@ class BlockManager:
             return
         # Reverse order queues a sequence's tail ahead of the prefix it extends, so the tail
         # is evicted first and the prefix, more likely to be shared, stays cached longer.
-        for block in reversed(seq.blocks):
+        self._unhold(reversed(seq.blocks[seq.num_released :]))
+
+    def release_before(self, seq_id: str, num_tokens: int) -> int:
+        """Release the blocks of `seq_id` that hold only tokens before position
+        `num_tokens` (a sliding window has passed them) and return how many this call
+        released. They keep their places in its block table, so later blocks keep theirs;
+        the attention never reads them again, and `free` skips them."""
+        seq = self._seqs[seq_id]
+        end = min(num_tokens // self.block_size, len(seq.blocks))
+        if end <= seq.num_released:
+            return 0
+        released = seq.blocks[seq.num_released : end]
+        seq.num_released = end
+        self._unhold(released)
+        return len(released)
+
+    def _unhold(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop one reference to each block; the ones no table holds any more go free."""
+        for block in blocks:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free.append(block)

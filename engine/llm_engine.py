@@ -129,6 +129,7 @@ class LLMEngine:
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            sliding_window=self.kv_layout.sliding_window,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)

@@ -36,10 +36,16 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
+        sliding_window: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be 0 or positive, got {sliding_window}")
         self.block_manager = block_manager
+        # Every layer attends to the last `sliding_window` positions only (0: some layer
+        # attends to all): blocks behind the window are released as sequences advance.
+        self.sliding_window = sliding_window
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -171,6 +177,11 @@ class Scheduler:
                 break
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # preempted earlier in this loop to make room for an older one
+            if self.sliding_window:
+                # The step's first query sits at num_computed_tokens and sees back to
+                # num_computed_tokens - window + 1; what lies before is read no more.
+                first_seen = seq.num_computed_tokens - self.sliding_window + 1
+                self.block_manager.release_before(seq.seq_id, first_seen)
             num_new_tokens = min(seq.num_tokens - seq.num_computed_tokens, token_budget)
             num_slots = seq.num_computed_tokens + num_new_tokens
             new_blocks = self._grow_or_preempt(seq, num_slots, output)

@@ -15,11 +15,14 @@ from transformers import PretrainedConfig
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
-    """The per-token shape of a model's KV cache."""
+    """The per-token shape of a model's KV cache, and how far back it is read: with
+    `sliding_window` > 0 every layer attends to that many last positions at most, so what
+    lies further back can be released (0: some layer attends to everything)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int = 0
 
     @classmethod
     def from_config(cls, config: PretrainedConfig) -> KVLayout:

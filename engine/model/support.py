@@ -7,7 +7,8 @@ convolution or chunked layers), the model class must call transformers' attentio
 interface, and the model must be a decoder. `probe_attention` then runs one token through the loaded
 model with a recording attention function: every layer's call must carry only arguments
 paged attention implements (`attention.attention_features`), and the calls give the KV
-cache's layout (K and V head sizes may differ: the cache takes the larger). What a
+cache's layout (K and V head sizes may differ: the cache takes the larger) and, where every
+layer slides, the window behind which blocks can be released. What a
 transformers model does in its attention call, not what its config promises, decides.
 """
 
@@ -60,9 +61,11 @@ def check_config_supported(config: PretrainedConfig) -> None:
 
 @dataclass
 class _Calls:
-    """Per layer index: (KV heads, K head size, V head size) of its attention call."""
+    """Per layer index: (KV heads, K head size, V head size) of its attention call, and
+    its sliding window (0: none)."""
 
     shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
+    windows: dict[int, int] = field(default_factory=dict)
 
 
 def probe_attention(model: PreTrainedModel) -> KVLayout:
@@ -83,11 +86,12 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
         dropout: float = 0.0,
         **kwargs: object,
     ) -> tuple[torch.Tensor, None]:
-        attention_features(kwargs)
+        features = attention_features(kwargs)
         layer = getattr(module, "layer_idx", None)
         if layer is None:
             raise UnsupportedModelError("its attention modules carry no layer_idx")
         calls.shapes[int(layer)] = (key.shape[1], key.shape[3], value.shape[3])
+        calls.windows[int(layer)] = features.sliding_window
         batch, heads, tokens = query.shape[:3]
         return value.new_zeros(batch, tokens, heads, value.shape[3]), None
 
@@ -121,7 +125,9 @@ def _layout(name: str, text: PretrainedConfig, calls: _Calls) -> KVLayout:
             "pagedserve's KV cache has one shape for all layers"
         )
     kv_heads, key_size, value_size = shapes.pop()
-    return KVLayout(num_layers, kv_heads, max(key_size, value_size))
+    windows = calls.windows.values()
+    window = max(windows) if all(windows) else 0
+    return KVLayout(num_layers, kv_heads, max(key_size, value_size), window)
 
 
 def _name(config: PretrainedConfig) -> str:

@@ -305,3 +305,39 @@ def test_free_unknown_is_noop_and_block_table_of_unknown_raises() -> None:
     assert bm.num_free_blocks == 2
     with pytest.raises(KeyError):
         bm.block_table("nobody")
+
+
+def test_blocks_behind_a_sliding_window_are_released_and_not_freed_twice() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, watermark=0)
+    tokens = _tokens(12)
+    _run(bm, "a", tokens)
+    assert bm.release_before("a", 9) == 2  # tokens 0-7 fill blocks 0 and 1; 8 is in block 2
+    assert bm.release_before("a", 9) == 0
+    assert bm.num_free_blocks == 8 - 1
+    assert bm.block_table("a")[2] == 2  # the later blocks keep their places
+    assert bm.release_before("a", 100) == 1  # no further than the table reaches
+    bm.free("a")
+    assert bm.num_free_blocks == 8
+    assert all(_ref(bm, block) == 0 for block in range(8))
+
+
+def test_a_released_block_shared_with_another_sequence_stays_theirs() -> None:
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, watermark=0)
+    _run(bm, "a", _tokens(9))
+    assert _run(bm, "b", _tokens(9)) == 8  # both full blocks hit
+    bm.release_before("a", 8)
+    assert _ref(bm, 0) == 1 and _ref(bm, 1) == 1
+    assert bm.num_free_blocks == 8 - 4
+
+
+def test_registration_stops_at_a_released_block() -> None:
+    # After a reset, a sliding sequence would register its blocks again from the start;
+    # a released one may hold another sequence's K/V by then, so it never is.
+    bm = BlockManager(num_blocks=8, block_size=BS, enable_prefix_caching=True, watermark=0)
+    tokens = _tokens(12)
+    _run(bm, "a", tokens)
+    bm.release_before("a", 4)
+    bm.reset_prefix_cache()
+    bm.cache_full_blocks("a", tokens, 12)
+    assert bm.can_allocate(tokens + [99]) is AllocStatus.OK
+    assert bm.allocate("b", tokens + [99]) == 0

@@ -142,7 +142,9 @@ def prompts(vocab_size: int) -> list[list[int]]:
     return [draw(5), draw(100), prefix + draw(10), draw(17), prefix + draw(30), draw(64)]
 
 
-def reference(folder: Path, batch: list[list[int]]) -> list[list[int]]:
+def reference(
+    folder: Path, batch: list[list[int]], max_tokens: int = MAX_TOKENS
+) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=torch.float32, attn_implementation="eager"
     ).eval()
@@ -150,7 +152,7 @@ def reference(folder: Path, batch: list[list[int]]) -> list[list[int]]:
     out = []
     for prompt in batch:
         generated = model.generate(
-            torch.tensor([prompt]), max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS,
+            torch.tensor([prompt]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
             do_sample=False, pad_token_id=0,
         )  # fmt: skip
         out.append(generated[0, len(prompt) :].tolist())
