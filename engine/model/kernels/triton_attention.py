@@ -3,20 +3,23 @@
 `paged_attention` has the contract of the C++ kernel (`kernels.paged_attention`): packed
 query rows `q [T, H, D]`, one layer's caches `[num_blocks, block_size, Hkv, D]` read in
 place through `block_tables`, `query_start` and `context_lens`; decode rows and prefill
-chunks, with or without a cached prefix, in one launch. It reads the step's lengths from
-device tensors only, so a launch whose tensors keep their shapes can be captured in a CUDA
-graph. `store_kv` writes the step's new K/V into their slots and skips negative slots
-(padding rows of a captured batch).
+chunks, with or without a cached prefix, in one launch; optionally a sliding window, logit
+softcapping and per-head attention sinks (see `paged_attention`). It reads the step's
+lengths from device tensors only, so a launch whose tensors keep their shapes can be
+captured in a CUDA graph. `store_kv` writes the step's new K/V into their slots and skips
+negative slots (padding rows of a captured batch).
 
 How a program works: program `(b, kv_head, tile)` takes `BLOCK_Q` query rows of sequence
 `b` (rows `tile * BLOCK_Q` on of its chunk) times every query head of `kv_head`, flattened
-into one `[BLOCK_Q * BLOCK_G, D]` tile, and walks the sequence's KV blocks from block 0 with
-an online softmax in fp32. Every row folds the same blocks in the same order whatever else
-is in its tile or batch: blocks past a row's position are all masked, and folding an
-all-masked block leaves its running max, sum and accumulator bit-identical. The tile shape
-is fixed for every call, so a decode row and the same row in a prefill chunk go through the
-same instructions. fp32 inputs multiply in IEEE fp32 (no TF32); fp16 and bf16 tiles
-multiply on tensor cores with fp32 accumulation.
+into one `[BLOCK_Q * BLOCK_G, D]` tile, and walks the sequence's KV blocks from block 0
+(with a window: from the block of the lowest position the tile's first row sees) with an
+online softmax in fp32. A row gets the same bits whatever else is in its tile or batch: it
+folds the blocks it sees in the same order, and folding a block it sees nothing of leaves
+its running max, sum and accumulator bit-identical (also before its first visible block,
+while its max is still -inf: such a fold shifts by 0, not by -inf). The tile shape is fixed
+for every call, so a decode row and the same row in a prefill chunk go through the same
+instructions. fp32 inputs multiply in IEEE fp32 (no TF32); fp16 and bf16 tiles multiply on
+tensor cores with fp32 accumulation.
 
 On a machine without CUDA the kernels run through Triton's interpreter
 (`TRITON_INTERPRET=1`, set before this module is imported): that is how the tests run
@@ -56,6 +59,9 @@ def _paged_attention_kernel(
     query_start_ptr,
     context_lens_ptr,
     scale,
+    window,
+    softcap,
+    sinks_ptr,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -75,6 +81,9 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     IEEE: tl.constexpr,
     WIDEN: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -101,12 +110,25 @@ def _paged_attention_kernel(
     if WIDEN:
         q = q.to(tl.float32)
 
-    running_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
-    running_sum = tl.full([BLOCK_Q * BLOCK_G], 0.0, dtype=tl.float32)
+    if HAS_SINKS:
+        # The sink is one more logit whose probability is dropped: the softmax starts from
+        # it (max = sink, sum = exp(sink - sink) = 1) and the accumulator never takes it.
+        sink = tl.load(sinks_ptr + head, mask=head_in_group < GROUP, other=0.0)
+        running_max = sink.to(tl.float32)
+        running_sum = tl.full([BLOCK_Q * BLOCK_G], 1.0, dtype=tl.float32)
+    else:
+        running_max = tl.full([BLOCK_Q * BLOCK_G], float("-inf"), dtype=tl.float32)
+        running_sum = tl.full([BLOCK_Q * BLOCK_G], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_Q * BLOCK_G, BLOCK_D], 0.0, dtype=tl.float32)
     slots = tl.arange(0, BLOCK_SIZE)
     last_position = tl.minimum(first + BLOCK_Q, row_end) - 1 + context_len - row_end
-    for block in range(0, last_position // BLOCK_SIZE + 1):
+    if HAS_WINDOW:
+        # Row p sees positions p - window < t <= p; the tile's first row has the lowest p.
+        first_position = first + context_len - row_end
+        first_block = tl.maximum(first_position - window + 1, 0) // BLOCK_SIZE
+    else:
+        first_block = 0
+    for block in range(first_block, last_position // BLOCK_SIZE + 1):
         block_id = tl.load(tables_ptr + seq * stride_table + block).to(tl.int64)
         k_offsets = (
             block_id * stride_kb + slots[:, None] * stride_ks + kv_head * stride_kh + dims[None, :]
@@ -122,12 +144,27 @@ def _paged_attention_kernel(
         else:
             scores = tl.dot(q, tl.trans(k))
         scores = scores * scale
+        if HAS_SOFTCAP:
+            # softcap * tanh(scores / softcap), from one exp of a non-positive argument (no
+            # overflow); libdevice's tanh would not run in the interpreter.
+            capped = scores / softcap
+            decay = tl.exp(-2.0 * tl.abs(capped))
+            magnitude = softcap * ((1.0 - decay) / (1.0 + decay))
+            scores = tl.where(capped < 0, -magnitude, magnitude)
         visible = key_position[None, :] <= position[:, None]
+        if HAS_WINDOW:
+            visible = visible & (key_position[None, :] > position[:, None] - window)
         scores = tl.where(visible, scores, float("-inf"))
 
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))
-        alpha = tl.exp(running_max - new_max)
-        weights = tl.exp(scores - new_max[:, None])
+        shift = new_max
+        if HAS_WINDOW:
+            # A row that has seen nothing yet (max still -inf: no sink, or a -inf one) and
+            # sees nothing here would compute exp(-inf - -inf) = NaN: shift by 0 instead,
+            # which leaves its sum and accumulator 0 (a -inf sink's 1 becomes its exp, 0).
+            shift = tl.where(new_max == float("-inf"), 0.0, new_max)
+        alpha = tl.exp(running_max - shift)
+        weights = tl.exp(scores - shift[:, None])
         running_sum = running_sum * alpha + tl.sum(weights, axis=1)
         v_offsets = (
             block_id * stride_vb + slots[:, None] * stride_vs + kv_head * stride_vh + dims[None, :]
@@ -159,17 +196,44 @@ def paged_attention(
     context_lens: torch.Tensor,
     scale: float,
     max_query_len: int,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a paged KV cache; the C++ kernel's contract (see module doc).
 
     `max_query_len` bounds the rows of any sequence in this call (1 for pure decode): it
     sets the grid, so a captured launch must pass the same value at every replay. The last
     dimension of q, k_cache and v_cache must be contiguous.
+
+    The options, each off at its default and each a compile-time specialisation of the
+    kernel (the default launch runs the code it ran before they existed):
+
+    - `sliding_window`: with W >= 1, the row at position p sees the keys at positions t with
+      p - W < t <= p (transformers' `sliding_window_overlay` on top of causal); 0: no window.
+      A program starts at the first block its rows can see.
+    - `softcap`: with c > 0, each score s = scale * <q, k> becomes c * tanh(s / c) before the
+      softmax (Gemma 2's `attn_logit_softcapping`); 0.0: none.
+    - `sinks`: a contiguous float32 `[H]` tensor on q's device, one logit per query head that
+      joins head h's softmax and whose probability is dropped: exp(sinks[h] - max) adds to
+      the denominator only (gpt-oss's `s_aux`); None: none. Read on the device, so a
+      captured launch reads its values at replay.
     """
+    if sliding_window < 0:
+        raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
+    if softcap < 0:
+        raise ValueError(f"softcap must be >= 0 (0: none), got {softcap}")
     num_heads, head_dim = q.shape[1:]
     num_seqs = block_tables.shape[0]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    if sinks is not None and (
+        sinks.shape != (num_heads,) or sinks.dtype != torch.float32 or not sinks.is_contiguous()
+    ):
+        raise ValueError(
+            f"sinks must be a contiguous float32 [{num_heads}] tensor, "
+            f"got {sinks.dtype} {tuple(sinks.shape)}"
+        )
     block_g = triton.next_power_of_2(group)
     block_q = max(1, TILE_ROWS // block_g)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -186,6 +250,9 @@ def paged_attention(
         query_start,
         context_lens,
         scale,
+        int(sliding_window),
+        float(softcap),
+        sinks,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -205,6 +272,9 @@ def paged_attention(
         BLOCK_D=triton.next_power_of_2(head_dim),
         IEEE=q.dtype == torch.float32 or widen,
         WIDEN=widen,
+        HAS_WINDOW=sliding_window > 0,
+        HAS_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None,
     )
     return out
 
