@@ -207,3 +207,16 @@ def test_a_machine_without_a_compiler_serves_eager_and_says_so_once(
     assert done.stdout.split() == ["eager", "4"]
     warnings = [line for line in done.stderr.splitlines() if "serving eager" in line]
     assert len(warnings) == 1 and "compiler" in warnings[0], done.stderr
+
+
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_windows_softcaps_and_sinks_compile_right(tmp_path: Path, name: str) -> None:
+    # Gemma 2: a window and a softcap; gpt-oss: a window and sinks, through the registered
+    # attention op that the compiled graph calls.
+    from tests.engine.test_model_coverage import SERVED, build, greedy, prompts, reference
+
+    folder = build(tmp_path / name, *SERVED[name])
+    batch = prompts(384)
+    llm = LLM(str(folder), dtype="float32", enforce_eager=False, kv_cache_memory="16MiB")
+    assert llm.engine.compiled
+    assert greedy(llm, batch) == reference(folder, batch)
