@@ -8,6 +8,7 @@ invalid values raise `ConfigError` with a one-line message that names the key.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,7 +27,11 @@ from pydantic import (
 
 from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
 
+logger = logging.getLogger(__name__)
+
 ENV_PREFIX = "PAGEDSERVE_"
+# The `PAGEDSERVE_*` variables that are not settings, each read where it is used.
+NON_SETTING_VARIABLES = frozenset({"PAGEDSERVE_CACHE"})
 
 
 class ConfigError(ValueError):
@@ -143,12 +148,27 @@ def load_config(
     path: str | Path | None = None,
     overrides: dict[str, Any] | None = None,
     environ: Mapping[str, str] | None = None,
+    *,
+    strict_environment: bool = True,
 ) -> ConfigT:
-    """Build `cls` from a YAML file, `PAGEDSERVE_*` variables and explicit overrides."""
+    """Build `cls` from a YAML file, `PAGEDSERVE_*` variables and explicit overrides.
+
+    A `PAGEDSERVE_*` variable that is neither a setting of `cls` nor one of
+    `NON_SETTING_VARIABLES` (a misspelt one, most likely) raises `ConfigError` naming it,
+    as an unknown YAML key does; with `strict_environment=False` (a config that is a part
+    of another one's settings) it is logged as a warning instead.
+    """
     values: dict[str, Any] = {}
     if path is not None:
         values.update(_read_yaml(Path(path)))
     env: Mapping[str, str] = os.environ if environ is None else environ
+    known = {ENV_PREFIX + key.upper() for key in cls.model_fields} | NON_SETTING_VARIABLES
+    unknown = sorted(name for name in env if name.startswith(ENV_PREFIX) and name not in known)
+    if unknown:
+        message = f"unknown environment variable {', '.join(unknown)}: not a pagedserve setting"
+        if strict_environment:
+            raise ConfigError(message)
+        logger.warning("%s of %s; ignored", message, cls.__name__)
     for key in cls.model_fields:
         env_value = env.get(ENV_PREFIX + key.upper())
         if env_value is not None:

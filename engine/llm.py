@@ -22,7 +22,10 @@ class LLM:
     `PAGEDSERVE_<SETTING>` environment variables, as the server's are."""
 
     def __init__(self, model: str = "default", **settings: Any) -> None:
-        config = load_config(EngineConfig, overrides={"model": model, **settings})
+        # Not strict: a server's variables (PAGEDSERVE_PORT, ...) may be set in the shell.
+        config = load_config(
+            EngineConfig, overrides={"model": model, **settings}, strict_environment=False
+        )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
 

@@ -54,3 +54,18 @@ def test_invalid_yaml_names_the_key(tmp_path: Path, yaml_text: str, message: str
 def test_missing_config_file_is_reported(tmp_path: Path):
     with pytest.raises(ConfigError, match="config file not found"):
         load_config(EngineConfig, tmp_path / "nope.yaml", environ={})
+
+
+def test_an_unknown_environment_variable_stops_loading_with_its_name():
+    environ = {"PAGEDSERVE_MAX_NUM_SEQ": "4", "PAGEDSERVE_CACHE": "/tmp/x", "OTHER": "1"}
+    with pytest.raises(ConfigError, match="PAGEDSERVE_MAX_NUM_SEQ") as error:
+        load_config(EngineConfig, environ=environ)
+    assert "PAGEDSERVE_CACHE" not in str(error.value)  # not a setting, but a known variable
+
+
+def test_a_part_of_the_settings_warns_of_the_rest(caplog: pytest.LogCaptureFixture):
+    config = load_config(
+        EngineConfig, environ={"PAGEDSERVE_PORT": "9000"}, strict_environment=False
+    )
+    assert config == EngineConfig()
+    assert "PAGEDSERVE_PORT" in caplog.text
