@@ -8,11 +8,19 @@ numbers include the model's weights and its peak activations.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 
 import psutil
 
 from cache.block import cdiv
+
+logger = logging.getLogger(__name__)
+
+# The CPU's budget when `kv_cache_memory` is unset, as the server's preset sets it: system
+# memory is everyone's, and zero-filling 90% of what is available froze a shared machine
+# (the kernel reclaimed page cache for minutes) for KV that a few prompts never use.
+CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
 class InsufficientKVCacheError(RuntimeError):
@@ -61,6 +69,7 @@ def num_kv_blocks(
     max_model_len: int,
     block_size: int,
     watermark: float = 0.0,
+    max_num_seqs: int | None = None,
     cuda_mem_get_info: tuple[int, int] | None = None,
     cuda_allocated: int | None = None,
     cuda_peak_allocated: int | None = None,
@@ -72,7 +81,10 @@ def num_kv_blocks(
     `cuda_mem_get_info` as `(free, total)`, `cuda_allocated` and `cuda_peak_allocated`) or
     `kv_cache_bytes_cpu` (`"cpu"`, needing `cpu_available`). An explicit `kv_cache_memory`
     overrides it downwards only: the budget is `min(kv_cache_memory, profiled)`, since more
-    than the profiled figure would run the device out of memory.
+    than the profiled figure would run the device out of memory. On the CPU an unset
+    `kv_cache_memory` means `CPU_DEFAULT_KV_CACHE_MEMORY`. With `max_num_seqs`, never more
+    blocks than that many `max_model_len` sequences can use, plus the watermark reserve.
+    The result is logged with the figure that decided it.
 
     Pass the block manager's `watermark` so that a `max_model_len` prompt is admissible: it
     must fit in the blocks outside the reserve. Raises InsufficientKVCacheError otherwise.
@@ -99,14 +111,28 @@ def num_kv_blocks(
     else:
         raise ValueError(f"unsupported device type {device_type!r}: expected 'cuda' or 'cpu'")
 
-    budget = profiled if kv_cache_memory is None else min(kv_cache_memory, profiled)
+    limit = kv_cache_memory
+    why = "kv_cache_memory"
+    if limit is None and device_type == "cpu":
+        limit, why = CPU_DEFAULT_KV_CACHE_MEMORY, "the CPU default (set kv_cache_memory for more)"
+    budget = profiled if limit is None else min(limit, profiled)
     capped = budget < profiled
+    if not capped:
+        why = f"memory_utilization {memory_utilization} of the free {device_type} memory"
     num_blocks = budget // block_bytes
     num_required = cdiv(max_model_len, block_size)
     if num_blocks - int(watermark * num_blocks) >= num_required:
+        usable = None if max_num_seqs is None else max_num_seqs * num_required
+        if usable is not None and num_blocks - int(watermark * num_blocks) > usable:
+            num_blocks = int(usable / (1 - watermark)) + 1
+            why = f"all that max_num_seqs={max_num_seqs} sequences of {max_model_len} tokens use"
+        logger.info(
+            "KV cache: %d blocks of %d tokens, %.2f GiB: %s",
+            num_blocks, block_size, num_blocks * block_bytes / 2**30, why,
+        )  # fmt: skip
         return num_blocks
     if capped:
-        remedy = f"raise kv_cache_memory (now {kv_cache_memory} bytes) or lower max_model_len"
+        remedy = f"raise kv_cache_memory (now {limit} bytes) or lower max_model_len"
     else:
         remedy = (
             f"raise memory_utilization (now {memory_utilization}), free {device_type} memory "
@@ -129,6 +155,7 @@ def profile_num_blocks(
     max_model_len: int,
     block_size: int,
     watermark: float = 0.0,
+    max_num_seqs: int | None = None,
     cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None,
     cuda_memory_stats: Callable[[], Mapping[str, int]] | None = None,
 ) -> int:
@@ -158,6 +185,7 @@ def profile_num_blocks(
         max_model_len=max_model_len,
         block_size=block_size,
         watermark=watermark,
+        max_num_seqs=max_num_seqs,
         cuda_mem_get_info=mem_get_info,
         cuda_allocated=allocated,
         cuda_peak_allocated=peak_allocated,

@@ -280,6 +280,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             block_size=self.block_size,
             watermark=self.config.watermark,
+            max_num_seqs=self.config.max_num_seqs,
             cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
             cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
         )

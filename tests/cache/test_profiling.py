@@ -15,6 +15,7 @@ from cache import (
     num_kv_blocks,
     profile_num_blocks,
 )
+from cache.profiling import CPU_DEFAULT_KV_CACHE_MEMORY
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -67,9 +68,20 @@ def _blocks(**overrides: object) -> int:
 
 
 def test_num_kv_blocks_cpu_and_kv_cache_memory_cap() -> None:
-    assert _blocks() == 4 * GIB // BLOCK
+    assert _blocks() == CPU_DEFAULT_KV_CACHE_MEMORY // BLOCK  # unset: the CPU default
+    assert _blocks(cpu_available=3 * GIB) == int(1.5 * GIB) // BLOCK  # or less if profiled
     assert _blocks(kv_cache_memory=GIB) == GIB // BLOCK  # caps the profiled budget ...
     assert _blocks(kv_cache_memory=100 * GIB) == 4 * GIB // BLOCK  # ... never raises it
+
+
+def test_never_more_blocks_than_the_running_sequences_can_use(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("INFO", logger="cache.profiling")
+    # 4096 tokens are 256 blocks: 3 sequences use 768, and 1% more stay in reserve.
+    assert _blocks(max_num_seqs=3, watermark=0.01) == int(768 / 0.99) + 1
+    assert "max_num_seqs=3" in caplog.text
+    assert _blocks(max_num_seqs=100) == CPU_DEFAULT_KV_CACHE_MEMORY // BLOCK  # not binding
 
 
 def test_num_kv_blocks_cuda_from_measured_numbers() -> None:
@@ -111,7 +123,12 @@ def test_profile_num_blocks_reads_psutil_on_cpu(monkeypatch: pytest.MonkeyPatch)
         max_model_len=4096,
         block_size=16,
     )
-    assert blocks == 4 * GIB // BLOCK
+    assert blocks == CPU_DEFAULT_KV_CACHE_MEMORY // BLOCK
+    monkeypatch.setattr(fake_memory, "available", GIB)
+    assert profile_num_blocks(
+        block_bytes=BLOCK, device_type="cpu", memory_utilization=0.5, kv_cache_memory=None,
+        max_model_len=4096, block_size=16,
+    ) == GIB // 2 // BLOCK  # fmt: skip
 
 
 def test_profile_num_blocks_reads_the_given_cuda_callables() -> None:
