@@ -9,6 +9,15 @@ from typing import Any
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
+# Bounds on what multiplies per-step work: every stop string is searched for in every
+# sample's new text at every step, and every logit_bias entry and stop token id is applied
+# or checked at every step.
+MAX_STOP_STRINGS = 64
+MAX_STOP_LENGTH = 1000  # characters
+MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# A seed seeds a torch generator, which takes 64 bits (negative ones as two's complement).
+SEED_RANGE = (-(2**63), 2**64 - 1)
 # Below this a temperature is treated as greedy: dividing logits by it would overflow
 # float32 without changing which token wins.
 GREEDY_TEMPERATURE = 1e-5
@@ -99,14 +108,19 @@ class SamplingParams:
         if not self.repetition_penalty > 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            _check_int("seed", self.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
         self.stop = _normalise_stop(self.stop)
+        _check_count("stop", len(self.stop), MAX_STOP_STRINGS, "strings")
+        longest = max(map(len, self.stop), default=0)
+        _check_count("stop", longest, MAX_STOP_LENGTH, "characters in a string")
         self.stop_token_ids = list(self.stop_token_ids)
+        _check_count("stop_token_ids", len(self.stop_token_ids), MAX_STOP_TOKEN_IDS, "ids")
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         self.logit_bias = dict(self.logit_bias)
+        _check_count("logit_bias", len(self.logit_bias), MAX_LOGIT_BIAS_ENTRIES, "entries")
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias token id", token_id, low=0)
             _check_float("logit_bias value", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
@@ -156,6 +170,11 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
+
+
+def _check_count(name: str, count: int, limit: int, unit: str) -> None:
+    if count > limit:
+        raise ValueError(f"{name} must hold at most {limit} {unit}, got {count}")
 
 
 def _normalise_stop(stop: object) -> list[str]:
