@@ -78,21 +78,21 @@ class ToolCallFormat(ABC):
     def undecided_suffix(self, text: str) -> int:
         """How many characters at the end of `text` might begin a call (hold them back)."""
 
-    def _call_schema(self, functions: list[Function]) -> dict[str, Any]:
-        """JSON schema of one call object: the name of one of `functions` and its arguments."""
-        options = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": f.name},
-                    self.arguments_key: f.parameters or {"type": "object"},
-                },
-                "required": ["name", self.arguments_key],
-                "additionalProperties": False,
-            }
-            for f in functions
-        ]
-        return options[0] if len(options) == 1 else {"anyOf": options}
+    def _call_rules(self, functions: list[Function]) -> str:
+        """Lark rules whose `call_object` is one call object: the name of one of `functions`
+        and its arguments, as `{"name": ..., "<arguments_key>": {...}}`.
+
+        Each function's arguments are a `%json` of their own, not a property of one schema
+        of the whole call: a schema keeps its own root, so its local `$ref` pointers
+        (`#/$defs/...`, `#/definitions/...`, `#/properties/...`) resolve as in the caller's
+        schema, and two functions' `$defs` of the same name cannot collide.
+        """
+        rules = [f"call_object: {' | '.join(f'call_{i}' for i in range(len(functions)))}"]
+        for i, function in enumerate(functions):
+            head = json.dumps(f'{{"name": {json.dumps(function.name)}, "{self.arguments_key}": ')
+            schema = json.dumps(_arguments_schema(function.parameters))
+            rules.append(f'call_{i}: {head} %json {schema} "}}"')
+        return "\n".join(rules) + "\n"
 
     def _call(self, data: object) -> ParsedToolCall | None:
         if not isinstance(data, dict) or not isinstance(data.get("name"), str):
@@ -129,10 +129,9 @@ class HermesFormat(ToolCallFormat):
         return f"{self._OPEN}\n{call}\n{self._CLOSE}"
 
     def call_grammar(self, functions: list[Function], parallel: bool) -> str:
-        schema = json.dumps(self._call_schema(functions))
-        call = f'"{self._OPEN}\\n" %json {schema} "\\n{self._CLOSE}"'
+        call = f'"{self._OPEN}\\n" call_object "\\n{self._CLOSE}"'
         start = 'call ("\\n" call)*' if parallel else "call"
-        return f"start: {start}\ncall: {call}\n"
+        return f"start: {start}\ncall: {call}\n{self._call_rules(functions)}"
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         start = self.calls_start(text)
@@ -180,9 +179,8 @@ class Llama3JsonFormat(ToolCallFormat):
         return json.dumps({"name": name, "parameters": arguments}, ensure_ascii=False)
 
     def call_grammar(self, functions: list[Function], parallel: bool) -> str:
-        call = f"%json {json.dumps(self._call_schema(functions))}"
-        start = 'call ("; " call)*' if parallel else "call"
-        return f"start: {start}\ncall: {call}\n"
+        start = 'call_object ("; " call_object)*' if parallel else "call_object"
+        return f"start: {start}\n{self._call_rules(functions)}"
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         start = self.calls_start(text)
@@ -213,6 +211,23 @@ class Llama3JsonFormat(ToolCallFormat):
         if not stripped or self._TAG.startswith(stripped):
             return len(text)  # nothing but whitespace, or a tag still being written
         return 0
+
+
+def _arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:
+    """The schema a forced call's arguments must match: `parameters`, an object when it
+    names no type (arguments are always a JSON object), written as `json.dumps` writes
+    (`render_call`'s text) unless the schema's own `x-guidance` options say otherwise.
+    Only the root gains keys, so every pointer into the schema still resolves."""
+    own = parameters.get("x-guidance", {})
+    schema = {**parameters, "x-guidance": _ARGUMENTS_JSON | own if isinstance(own, dict) else own}
+    if "type" not in schema:
+        schema["type"] = "object"
+    return schema
+
+
+# No optional whitespace, as in structured outputs (engine/sampling/grammar.py): a small
+# model free to add whitespace inside a call can spend its whole budget on newlines.
+_ARGUMENTS_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 _FORMATS: dict[str, ToolCallFormat] = {f.name: f for f in (HermesFormat(), Llama3JsonFormat())}

@@ -1,13 +1,22 @@
 """Tool-call formats without a model: parsing, streaming splits, the grammars that force a
 call (compiled by the grammar engine, and accepting exactly what `parse` reads back), and
-the conversation a template that ignores tools is given."""
+the conversation a template that ignores tools is given. Then Pydantic's tool schemas
+(`$defs` and `$ref`s for enums and nested models, as instructor and pydantic-ai send them)
+through a live server on the tiny model, in every tool mode."""
 
 from __future__ import annotations
 
+import enum
 import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
 
+import jsonschema
 import llguidance
+import openai
 import pytest
+from pydantic import BaseModel, ConfigDict, Field
 
 from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.protocol import ChatCompletionRequest, ChatMessage
@@ -19,6 +28,7 @@ from server.tools import (
     ToolCallStream,
     choose_format,
 )
+from tests.server.conftest import client, live_server, tiny_config
 
 WEATHER = Function(
     "get_weather",
@@ -82,6 +92,16 @@ def test_a_call_of_an_unknown_function_or_bad_arguments_breaks_the_grammar() -> 
     assert walks(grammar, HERMES.render_call("get_weather", {"city": "Oslo"}))
     assert not walks(grammar, HERMES.render_call("delete_everything", {}))
     assert not walks(grammar, HERMES.render_call("get_weather", {"town": "Oslo"}))
+
+
+def test_a_forced_call_is_written_as_json_dumps_writes_it() -> None:
+    """No optional whitespace, inside the arguments or around them."""
+    grammar = llguidance.grammar_from("grammar", HERMES.call_grammar([WEATHER], False))
+    call = HERMES.render_call("get_weather", {"city": "Oslo"})
+    assert walks(grammar, call)
+    assert not walks(grammar, call.replace('": ', '":'))
+    assert not walks(grammar, call.replace('{"city"', '{ "city"'))
+    assert not walks(grammar, call.replace('{"name"', '{\n"name"'))
 
 
 @pytest.mark.parametrize(
@@ -171,6 +191,206 @@ def test_tool_messages_are_checked() -> None:
                 ],
             }
         )
+
+
+class Color(enum.Enum):
+    RED = "red"
+    GREEN = "green"
+
+
+class Point(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    x: int = Field(ge=0, le=99)
+    y: int = Field(ge=0, le=99)
+
+
+class Circle(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["circle"]
+    center: Point
+    radius: int = Field(ge=1, le=9)
+
+
+class Square(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    kind: Literal["square"]
+    corner: Point
+
+
+class Paint(BaseModel):
+    """Paint a shape."""
+
+    model_config = ConfigDict(extra="forbid")
+    color: Color  # $ref to an enum
+    shape: Annotated[Circle | Square, Field(discriminator="kind")]  # oneOf of $refs
+    path: list[Point] = Field(max_length=3)  # a list of models
+    anchor: Point | Square  # anyOf of $refs
+    label: str | None = Field(default=None, max_length=8)  # optional
+
+
+class Ink:
+    class Color(enum.Enum):  # a second `$defs/Color`, of other values
+        CYAN = "cyan"
+        MAGENTA = "magenta"
+
+
+class Refill(BaseModel):
+    """Refill an ink."""
+
+    model_config = ConfigDict(extra="forbid")
+    color: Ink.Color
+    amount: int = Field(ge=1, le=5)
+
+
+MODELS: dict[str, type[BaseModel]] = {"paint": Paint, "refill": Refill}
+PAINT = Function("paint", Paint.__doc__, Paint.model_json_schema())
+REFILL = Function("refill", Refill.__doc__, Refill.model_json_schema())
+# Pointers Pydantic does not write: draft-7 `definitions`, and into `properties`.
+MOVE = Function(
+    "move",
+    None,
+    {
+        "definitions": {"Step": {"type": "integer", "minimum": 1, "maximum": 3}},
+        "type": "object",
+        "properties": {
+            "first": {"$ref": "#/definitions/Step"},
+            "then": {"type": "array", "items": {"$ref": "#/properties/first"}, "maxItems": 2},
+        },
+        "required": ["first", "then"],
+        "additionalProperties": False,
+    },
+)
+A_PAINT = Paint(
+    color=Color.GREEN,
+    shape=Circle(kind="circle", center=Point(x=1, y=2), radius=3),
+    path=[Point(x=0, y=0), Point(x=4, y=5)],
+    anchor=Square(kind="square", corner=Point(x=9, y=9)),
+).model_dump(mode="json")
+A_REFILL = {"color": "cyan", "amount": 2}
+A_MOVE = {"first": 2, "then": [1, 3]}
+
+
+def test_the_pydantic_tools_share_a_defs_name_with_different_content() -> None:
+    paint, refill = PAINT.parameters["$defs"]["Color"], REFILL.parameters["$defs"]["Color"]
+    assert paint["enum"] == ["red", "green"] and refill["enum"] == ["cyan", "magenta"]
+    assert PAINT.parameters["properties"]["color"] == {"$ref": "#/$defs/Color"}
+    assert "oneOf" in PAINT.parameters["properties"]["shape"]
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize("parallel", [False, True])
+def test_forced_call_grammars_resolve_each_tools_own_refs(tool_format, parallel) -> None:
+    tools = [PAINT, REFILL, MOVE]
+    grammar = llguidance.grammar_from("grammar", tool_format.call_grammar(tools, parallel))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    calls = [("paint", A_PAINT), ("refill", A_REFILL), ("move", A_MOVE)]
+    separator = "\n" if tool_format is HERMES else "; "
+    texts = [tool_format.render_call(*c) for c in calls]
+    if parallel:
+        texts = [separator.join(texts)]
+    parsed = []
+    for text in texts:
+        assert walks(grammar, text), text
+        parsed += tool_format.parse(text)[1]
+    assert [c.name for c in parsed] == ["paint", "refill", "move"]
+    schemas = {f.name: f.parameters for f in tools}
+    for call in parsed:
+        jsonschema.validate(json.loads(call.arguments), schemas[call.name])
+    assert Paint.model_validate_json(parsed[0].arguments).color is Color.GREEN
+
+
+@pytest.mark.parametrize("tool_format", [HERMES, LLAMA], ids=["hermes", "llama3_json"])
+@pytest.mark.parametrize(
+    ("name", "arguments"),
+    [
+        ("paint", A_PAINT | {"color": "cyan"}),  # the other tool's Color
+        ("refill", A_REFILL | {"color": "red"}),
+        ("paint", A_PAINT | {"shape": {"kind": "circle", "corner": {"x": 1, "y": 1}}}),
+        ("paint", A_PAINT | {"path": [{"x": 1, "y": 1, "z": 1}]}),  # additionalProperties
+        ("paint", {k: v for k, v in A_PAINT.items() if k != "anchor"}),  # required
+        ("move", A_MOVE | {"then": [4]}),  # through #/properties/first to #/definitions
+        ("move", A_MOVE | {"first": "2"}),
+    ],
+)  # fmt: skip
+def test_forced_call_grammars_refuse_what_the_tools_schema_refuses(
+    tool_format, name: str, arguments: dict[str, Any]
+) -> None:
+    tools = [PAINT, REFILL, MOVE]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(arguments, {f.name: f.parameters for f in tools}[name])
+    grammar = llguidance.grammar_from("grammar", tool_format.call_grammar(tools, False))
+    assert llguidance.LLMatcher.validate_grammar(grammar) == ""
+    assert not walks(grammar, tool_format.render_call(name, arguments))
+
+
+ASK_PAINT = [{"role": "user", "content": "Paint a green circle, then refill the cyan ink."}]
+TOOLS = [PAINT.as_openai(), REFILL.as_openai()]
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model_paths: dict[str, Path]) -> Iterator[openai.OpenAI]:
+    """The tiny Llama (its template ignores tools: they are described in a system message,
+    which these schemas make long)."""
+    config = tiny_config(
+        tiny_model_paths["llama"], served_model_name="tiny", max_model_len=4096,
+        kv_cache_memory="128MiB",
+    )  # fmt: skip
+    with live_server(config) as url:
+        yield client(url)
+
+
+def valid_call(name: str, arguments: str) -> None:
+    """`arguments` validate against the schema the client sent, and parse as its model."""
+    jsonschema.validate(json.loads(arguments), {"paint": PAINT, "refill": REFILL}[name].parameters)
+    MODELS[name].model_validate_json(arguments)
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "stream"),
+    [("required", False), ("paint", True), ("refill", False)],
+)
+def test_pydantic_schemas_in_forced_calls(
+    api: openai.OpenAI, tool_choice: str, stream: bool
+) -> None:
+    choice: Any = tool_choice
+    if tool_choice != "required":
+        choice = {"type": "function", "function": {"name": tool_choice}}
+    reply = api.chat.completions.create(
+        model="tiny", messages=ASK_PAINT, tools=TOOLS, tool_choice=choice, max_tokens=300,
+        temperature=0, parallel_tool_calls=False, stream=stream,
+    )  # fmt: skip
+    if stream:
+        chunks = [chunk for chunk in reply if chunk.choices]
+        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        finish_reason = chunks[-1].choices[0].finish_reason
+    else:
+        calls, finish_reason = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+    assert finish_reason == "tool_calls"
+    [call] = calls
+    assert tool_choice == "required" or call.function.name == tool_choice
+    valid_call(call.function.name, call.function.arguments)
+
+
+def test_pydantic_schemas_in_auto_mode(api: openai.OpenAI) -> None:
+    """The model may answer in text or call; a call it makes validates. Earlier calls with
+    nested arguments, and their results, go back in."""
+    messages = [
+        *ASK_PAINT,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "paint", "arguments": json.dumps(A_PAINT)}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "painted"},
+    ]  # fmt: skip
+    for conversation_so_far in (ASK_PAINT, messages):
+        reply = api.chat.completions.create(
+            model="tiny", messages=conversation_so_far, tools=TOOLS, tool_choice="auto",
+            max_tokens=20, temperature=0,
+        )  # fmt: skip
+        choice = reply.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        assert choice.message.content or choice.message.tool_calls
+        for call in choice.message.tool_calls or []:
+            valid_call(call.function.name, call.function.arguments)
 
 
 def walks(grammar: str, text: str) -> bool:
