@@ -4,10 +4,10 @@ Each architecture is a tiny random-weight model built from its transformers conf
 second (hidden 128, 2 layers, 4 heads, 2 KV heads), with sliding windows (16), logit
 softcaps and attention sinks set small enough to change tokens. Served ones must give
 `generate()`'s greedy tokens (eager attention, fp32) for six prompts of 5-100 tokens (two
-sharing a 40-token prefix) under the default settings, chunked prefill and the torch
-attention backend, and in bf16 each prompt alone must give what it gives in the batch.
-Refused ones must say what they lack, before their weights load. The README's "Supported
-models" lists this matrix.
+sharing a 40-token prefix) under the default settings, chunked prefill, the torch
+attention backend and (some) a KV cache small enough to preempt, and in bf16 each prompt alone
+must give what it gives in the batch. Refused ones must say what they lack, before their
+weights load. The README's "Supported models" lists this matrix.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+from cache import bytes_per_block
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
 from tests.tiny_models import build_tokenizer
@@ -96,6 +97,8 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama4-chunked": ("llama4_text", {"attention_chunk_size": 32}, "chunked"),
 }
 
+# Run again with preemption (it doubles a case's time): the features' and MLA's models.
+PREEMPTED = {"qwen2-sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3-mla"}
 SETTINGS = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 20},
@@ -177,6 +180,17 @@ def test_served_architectures_match_generate(tmp_path: Path, name: str):
     together = greedy(bf16, batch)
     alone = [greedy(bf16, [prompt])[0] for prompt in batch]
     assert alone == together, f"{name} in bf16: a prompt alone differs from it in the batch"
+    if name not in PREEMPTED:
+        return
+    # 14 blocks of 16 tokens for 23 prompt blocks: sequences wait, grow and are preempted.
+    layout = llm.engine.kv_layout
+    block_bytes = bytes_per_block(layout.num_layers, 16, layout.num_kv_heads, layout.head_dim, 4)
+    small = LLM(
+        str(folder), dtype="float32", kv_cache_memory=14 * block_bytes, max_model_len=128,
+        watermark=0,
+    )  # fmt: skip
+    assert greedy(small, batch) == expected, f"{name} with preemption"
+    assert small.engine.scheduler.num_preemptions > 0
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
