@@ -9,10 +9,13 @@ import re
 from pathlib import Path
 
 import jsonschema
+import llguidance.numpy
+import numpy as np
 import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from engine.sampling.grammar import apply_token_bitmask
 from engine.sampling.params import StructuredOutputs
 from engine.sampling.sampler import Sampler, SamplingRow
 from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES
@@ -128,3 +131,24 @@ def test_only_constrained_rows_are_masked(llm: LLM) -> None:
         tokenizer.decode([out.token_ids[1]])
     )
     assert torch.equal(logits, original)  # the caller's logits are not modified
+
+
+@pytest.mark.parametrize(("vocab", "words"), [(49152, 1536), (49153, 1537), (100, 3), (70, 3)])
+def test_the_token_bitmask_is_applied_as_llguidances_reference(vocab: int, words: int) -> None:
+    """`apply_token_bitmask` equals llguidance's uncompiled (NumPy) reference bit for bit:
+    a forbidden logit is -inf, an allowed one is unchanged (NaN and inf too), and tokens
+    past the mask's bits are forbidden."""
+    generator = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(5, vocab, generator=generator)
+    logits[0, :4] = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0])
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (5, words), dtype=torch.int32, generator=generator)
+    bitmask[1] = -1  # every token allowed
+    bitmask[2] = 0  # none
+    bitmask[3, 0] = 0b1011  # a few, and the sign bit of the next word
+    bitmask[3, 1] = -(2**31)
+    expected = logits.numpy().copy()
+    llguidance.numpy.apply_token_bitmask_inplace(expected, bitmask.numpy())
+    got = logits.clone()
+    apply_token_bitmask(got, bitmask)
+    assert np.array_equal(got.numpy(), expected, equal_nan=True)
+    assert torch.equal(torch.signbit(got), torch.signbit(torch.from_numpy(expected)))
