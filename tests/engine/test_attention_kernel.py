@@ -1,5 +1,6 @@
 """Paged attention, C++ kernel and blockwise torch, against an fp64 reference, and the
-invariance the engine's outputs rest on: a row's bits do not depend on the batch.
+invariance the engine's outputs rest on: a row's bits do not depend on the batch. The
+kernel's sliding window, logit softcap and attention sinks are checked the same ways.
 
 These tests build the kernel (once per machine, cached); where it cannot be built they
 skip, naming the reason (test_kernel_build.py checks the fallback to torch attention).
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.kernels import cpp_extension
+from engine.model.kernels import cpp_extension, custom_ops
 from engine.model.kernels import paged_attention as kernel_module
 from engine.model.kernels.paged_attention import (
     KernelUnavailableError,
@@ -45,7 +46,8 @@ DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=[
 @dataclass(slots=True)
 class Case:
     """Attention inputs over layer 1 of a paged KV tensor laid out as the engine's:
-    sequence b has `context_lens[b]` tokens and its last `queries[b]` are query rows."""
+    sequence b has `context_lens[b]` tokens and its last `queries[b]` are query rows. The
+    kernel's optional features are off by default (see `with_features`)."""
 
     kv_cache: torch.Tensor
     q: torch.Tensor
@@ -53,6 +55,9 @@ class Case:
     context_lens: tuple[int, ...]
     queries: tuple[int, ...]
     scale: float
+    sliding_window: int = 0
+    softcap: float = 0.0
+    sinks: torch.Tensor | None = None
 
     @property
     def k_cache(self) -> torch.Tensor:
@@ -128,8 +133,21 @@ def make_case(
     return Case(kv_cache, q.to(dtype), tables, tuple(lengths), tuple(queries), head_dim**-0.5)
 
 
+def with_features(
+    case: Case, sliding_window: int = 0, softcap: float = 0.0, sinks: bool = False
+) -> Case:
+    """The case with a window, a softcap and (if `sinks`) one sink logit per query head,
+    spread around the scores' range (-4 to 8) so that some dominate a row's softmax."""
+    num_heads = case.q.shape[1]
+    sink_logits = torch.linspace(-4.0, 8.0, num_heads) if sinks else None
+    return replace(case, sliding_window=sliding_window, softcap=softcap, sinks=sink_logits)
+
+
 def reference(case: Case) -> torch.Tensor:
-    """Gather each row's visible tokens and take a plain softmax, in fp64."""
+    """Gather each row's visible tokens and take a plain softmax, in fp64, as transformers'
+    eager attention does with the features: scores capped by tanh (Gemma 2), positions
+    before the window masked out (`sliding_window_overlay`), and the sink logit appended
+    as one more column of the softmax whose probability is then dropped (gpt-oss)."""
     block_size = case.k_cache.shape[1]
     group = case.q.shape[1] // case.k_cache.shape[2]
     rows = []
@@ -141,7 +159,17 @@ def reference(case: Case) -> torch.Tensor:
             position = length - queries + i
             q = case.q[int(case.query_start[b]) + i].double()
             scores = torch.einsum("hd,shd->hs", q, keys[: position + 1]) * case.scale
-            rows.append(torch.einsum("hs,shd->hd", scores.softmax(dim=-1), values[: position + 1]))
+            if case.softcap:
+                scores = torch.tanh(scores / case.softcap) * case.softcap
+            if case.sliding_window:
+                before = torch.arange(position + 1) <= position - case.sliding_window
+                scores = scores.masked_fill(before, -math.inf)
+            if case.sinks is not None:
+                scores = torch.cat([scores, case.sinks.double()[:, None]], dim=-1)
+            probs = scores.softmax(dim=-1)
+            if case.sinks is not None:
+                probs = probs[:, :-1]
+            rows.append(torch.einsum("hs,shd->hd", probs, values[: position + 1]))
     return torch.stack(rows)
 
 
@@ -154,6 +182,9 @@ def run_kernel(case: Case) -> torch.Tensor:
         case.query_start,
         torch.tensor(case.context_lens),
         case.scale,
+        sliding_window=case.sliding_window,
+        softcap=case.softcap,
+        sinks=case.sinks,
     )
 
 
@@ -310,6 +341,179 @@ def test_empty_batch() -> None:
     assert out.shape == (0, 9, 64)
 
 
+# Features: a sliding window (from one token to past every context, through the block
+# sizes), a softcap, sinks, and all three at once.
+FEATURES = pytest.mark.parametrize(
+    "features",
+    [
+        dict(sliding_window=5),
+        dict(sliding_window=16),
+        dict(sliding_window=23),
+        dict(softcap=5.0),
+        dict(sinks=True),
+        dict(sliding_window=9, softcap=5.0, sinks=True),
+    ],
+    ids=["window5", "window16", "window23", "softcap", "sinks", "all"],
+)
+# Whole prompts, chunks after a cached prefix (starting mid-block, and longer than one row
+# tile of the kernel), and decode rows, in one step.
+FEATURE_LENGTHS = (1, 15, 16, 17, 45, 70, 40, 100)
+FEATURE_QUERIES = (1, 15, 3, 1, 29, 70, 1, 37)
+
+
+def poison_before_windows(case: Case) -> Case:
+    """A copy whose K/V slots before the first query row's window hold NaN, and whose
+    table entries for blocks wholly before it hold out-of-range ids: a kernel that read
+    either, or let a masked token's value through, shows it."""
+    if not case.sliding_window:
+        return case
+    block_size = case.k_cache.shape[1]
+    kv_cache, tables = case.kv_cache.clone(), case.block_tables.clone()
+    for b, (length, queries) in enumerate(zip(case.context_lens, case.queries, strict=True)):
+        first_visible = max(0, length - queries - case.sliding_window + 1)
+        for t in range(first_visible):
+            kv_cache[1, :, tables[b, t // block_size], t % block_size] = math.nan
+        tables[b, : first_visible // block_size] = kv_cache.shape[2] + 100
+    return replace(case, kv_cache=kv_cache, block_tables=tables)
+
+
+def assert_features_match(case: Case) -> None:
+    """The kernel, reading a case poisoned before its windows, against the reference."""
+    expected = reference(case)
+    actual = run_kernel(poison_before_windows(case))
+    assert actual.dtype == case.q.dtype and actual.shape == case.q.shape
+    tolerance = FP32_TOL if case.q.dtype == torch.float32 else BF16_TOL
+    torch.testing.assert_close(actual.double(), expected, **tolerance)
+
+
+@DTYPES
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", [1, 5, 8, 16, 17, 40, 70, 1000])
+@pytest.mark.parametrize("heads", [(9, 3), (16, 2)], ids=["gqa3", "gqa8"])
+def test_sliding_window_matches_reference(
+    dtype: torch.dtype, block_size: int, window: int, heads: tuple[int, int]
+) -> None:
+    # Windows of one token, smaller than, equal to and larger than a block, equal to some
+    # contexts (16, 17, 40, 70) and larger than all of them.
+    case = make_case(
+        FEATURE_LENGTHS, *heads, 64, block_size, dtype, seed=window, queries=FEATURE_QUERIES
+    )
+    assert_features_match(with_features(case, sliding_window=window))
+
+
+@DTYPES
+@pytest.mark.parametrize("query_scale", [1.0, 8.0])
+@pytest.mark.parametrize("heads", [(4, 4), (16, 2)], ids=["gqa1", "gqa8"])
+def test_softcap_matches_reference(
+    dtype: torch.dtype, query_scale: float, heads: tuple[int, int]
+) -> None:
+    # With query_scale 8 the scores' spread (about 8) is well past the cap: most are capped.
+    case = make_case(
+        FEATURE_LENGTHS, *heads, 64, 16, dtype, seed=3, query_scale=query_scale,
+        queries=FEATURE_QUERIES,
+    )  # fmt: skip
+    assert_features_match(with_features(case, softcap=5.0))
+
+
+@DTYPES
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (16, 2)], ids=["gqa1", "gqa3", "gqa8"])
+def test_sinks_match_reference(dtype: torch.dtype, heads: tuple[int, int]) -> None:
+    case = make_case(FEATURE_LENGTHS, *heads, 64, 16, dtype, seed=4, queries=FEATURE_QUERIES)
+    assert_features_match(with_features(case, sinks=True))
+    # A sink far below every score changes nothing the tolerance sees; one far above
+    # takes nearly all the weight, so the output nearly vanishes.
+    case.sinks = torch.full((heads[0],), -100.0)
+    assert_features_match(case)
+    case.sinks = torch.full((heads[0],), 100.0)
+    assert run_kernel(case).abs().max() < 1e-20
+
+
+@DTYPES
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("window", [1, 6, 16, 40])
+@pytest.mark.parametrize("heads", [(9, 3), (16, 2)], ids=["gqa3", "gqa8"])
+def test_all_features_together_match_reference(
+    dtype: torch.dtype, block_size: int, window: int, heads: tuple[int, int]
+) -> None:
+    case = make_case(
+        FEATURE_LENGTHS, *heads, 64, block_size, dtype, seed=5, query_scale=4.0,
+        queries=FEATURE_QUERIES,
+    )  # fmt: skip
+    assert_features_match(with_features(case, sliding_window=window, softcap=5.0, sinks=True))
+
+
+@pytest.mark.parametrize("features", [dict(sliding_window=7, softcap=5.0, sinks=True)])
+def test_features_with_other_head_dims(features: dict[str, Any]) -> None:
+    for head_dim in (32, 128, 256):
+        case = make_case((5, 40, 33), 4, 2, head_dim, 16, torch.float32, seed=head_dim,
+                         queries=(5, 1, 20))  # fmt: skip
+        assert_features_match(with_features(case, **features))
+
+
+@DTYPES
+@FEATURES
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa3", "gqa1"])
+def test_a_rows_bits_with_features_do_not_depend_on_the_rest_of_the_step(
+    dtype: torch.dtype, features: dict[str, Any], heads: tuple[int, int]
+) -> None:
+    """As the test without features: each row of a 70-token prompt, computed in one
+    prefill, in chunks split anywhere, as a decode row, and beside other sequences' rows,
+    has the same bits every time, with a window, a softcap and sinks."""
+    case = make_case((70, 33, 20), *heads, 64, 16, dtype, seed=7, queries=(70, 33, 1))
+    case = poison_before_windows(with_features(case, **features))
+    whole = run_kernel(case.select(0, 0, 70))
+    assert torch.equal(run_kernel(case)[:70], whole)  # beside a prefill and a decode row
+    for cuts in ((0, 16, 32, 48, 64, 70), (0, 5, 21, 22, 60, 70), (0, 69, 70), (0, 30, 70)):
+        chunks = [run_kernel(case.select(0, a, b)) for a, b in pairwise(cuts)]
+        assert torch.equal(torch.cat(chunks), whole), cuts
+    decoded = torch.cat([run_kernel(case.select(0, i, i + 1)) for i in range(70)])
+    assert torch.equal(decoded, whole)
+
+
+@DTYPES
+def test_features_at_their_neutral_values_change_no_bit(dtype: torch.dtype) -> None:
+    """A window no context reaches and sinks of -inf give the plain kernel's bits (a
+    window shorter than the tables' 128 positions runs the instantiation with features):
+    they only ever add or drop zeros."""
+    case = make_case(FEATURE_LENGTHS, 9, 3, 64, 16, dtype, seed=6, queries=FEATURE_QUERIES)
+    assert case.block_tables.shape[1] * 16 == 128
+    plain = run_kernel(case)
+    for window in (100, 127, 128, 2**62):
+        assert torch.equal(run_kernel(replace(case, sliding_window=window)), plain)
+    assert torch.equal(run_kernel(replace(case, sinks=torch.full((9,), -math.inf))), plain)
+
+
+def test_registered_op_takes_the_features() -> None:
+    """`torch.ops.pagedserve.paged_attention` (compiled forwards' path) and the pybind
+    function called positionally, as the callers do, give the wrapper's bits."""
+    skip_without_kernel()
+    custom_ops.register_kernel_ops()
+    case = make_case(FEATURE_LENGTHS, 9, 3, 64, 16, torch.bfloat16, seed=8, queries=FEATURE_QUERIES)
+    case = with_features(case, sliding_window=9, softcap=5.0, sinks=True)
+    expected = run_kernel(case)
+    lens = torch.tensor(case.context_lens)
+    tables, starts = case.block_tables, case.query_start
+    op = torch.ops.pagedserve.paged_attention(
+        case.q, case.kv_cache, 1, tables, starts, lens, case.scale, 9, 5.0, case.sinks
+    )
+    assert torch.equal(op, expected)
+    wrapped = custom_ops.paged_attention(
+        case.q, case.kv_cache, 1, tables, starts, lens, case.scale,
+        sliding_window=9, softcap=5.0, sinks=case.sinks,
+    )  # fmt: skip
+    assert torch.equal(wrapped, expected)
+    kernel = load_attention_kernel()
+    assert kernel is not None
+    positional = kernel(
+        case.q, case.k_cache, case.v_cache, tables, starts, lens, case.scale, 9, 5.0, case.sinks
+    )
+    assert torch.equal(positional, expected)
+    plain = torch.ops.pagedserve.paged_attention(
+        case.q, case.kv_cache, 1, tables, starts, lens, case.scale, 0, 0.0, None
+    )
+    assert torch.equal(plain, run_kernel(replace(case, sliding_window=0, softcap=0.0, sinks=None)))
+
+
 def test_supports() -> None:
     cpu = torch.device("cpu")
     assert supports(torch.bfloat16, 64, cpu) and supports(torch.float32, 128, cpu)
@@ -355,6 +559,29 @@ def test_rejects_inconsistent_inputs(change: dict[str, torch.Tensor], message: s
     inputs.update(change)
     with pytest.raises(RuntimeError, match=message):
         paged_attention(**inputs, scale=1.0)
+
+
+@pytest.mark.parametrize(
+    ("features", "message"),
+    [
+        (dict(sliding_window=-1), "sliding_window must be >= 0"),
+        (dict(softcap=-1.0), "softcap must be finite and >= 0"),
+        (dict(softcap=math.inf), "softcap must be finite and >= 0"),
+        (dict(softcap=math.nan), "softcap must be finite and >= 0"),
+        (dict(sinks=torch.zeros(8)), r"sinks must be \[H\] = \[9\]"),
+        (dict(sinks=torch.zeros(1, 9)), r"sinks must be \[H\]"),
+        (dict(sinks=torch.zeros(9, dtype=torch.float64)), "sinks must be float32"),
+        (dict(sinks=torch.zeros(9, dtype=torch.bfloat16)), "sinks must be float32"),
+        (dict(sinks=torch.zeros(9, device="meta")), "sinks must be on the CPU"),
+    ],
+)
+def test_rejects_bad_features(features: dict[str, Any], message: str) -> None:
+    cache = torch.zeros(4, 16, 3, 64)
+    with pytest.raises(RuntimeError, match=message):
+        paged_attention(
+            torch.zeros(2, 9, 64), cache, cache, torch.tensor([[0, 1], [2, 3]]),
+            torch.tensor([0, 1, 2]), torch.tensor([20, 5]), 1.0, **features,
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize(

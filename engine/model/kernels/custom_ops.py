@@ -75,11 +75,24 @@ def paged_attention(
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The C++ kernel's `paged_attention` over `kv_cache[layer]`: a contiguous `[T, H, D]`
-    (its fake says so too, or compiled code would read it with q's strides)."""
+    """The C++ kernel's `paged_attention` over `kv_cache[layer]`, with its sliding window,
+    softcap and sinks (see `kernels.paged_attention.paged_attention`): a contiguous
+    `[T, H, D]` (its fake says so too, or compiled code would read it with q's strides)."""
     return torch.ops.pagedserve.paged_attention(
-        q, kv_cache, layer, block_tables, query_start, context_lens, scale
+        q,
+        kv_cache,
+        layer,
+        block_tables,
+        query_start,
+        context_lens,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
     )
 
 

@@ -11,22 +11,37 @@
 // block_tables[b][t / block_size], offset t % block_size. Query head h reads KV head
 // h / G, where G = H / Hkv (grouped-query attention; G = 1 is plain multi-head attention).
 //
+// Features, each off at its neutral value: a sliding window W >= 1 (0: none) limits row p
+// to positions p - W < t <= p (transformers' sliding_window_overlay); a softcap cap > 0
+// (0: none) turns each score s into cap * tanh(s / cap) before the softmax (Gemma 2);
+// sinks, fp32 [H] (none: null), add one logit sinks[h] to head h's softmax whose
+// probability is dropped: exp(sinks[h] - m) joins the denominator only (gpt-oss's s_aux).
+// Without a window or a softcap the kernel runs the instantiation that has no code for
+// them (kMasked = false), so the plain case's loops are what they were; sinks only set
+// the initial state.
+//
 // Invariance. A row's result depends only on its query, its position and its context's
 // K/V, never on the other rows of the step: how many rows its sequence has this step (a
 // decode, a prefill chunk of any length, a recomputation after preemption), where the
 // chunk starts, or what other sequences run. Every row walks its context one KV block at
-// a time from block 0, always split at the same block boundaries, and folds each block
-// into an online softmax with the same operations, per query head h:
-//   s[t]  = <scale * q[h], k[t]>                 for the block's tokens t <= p
+// a time, always split at the same block boundaries, from block 0 (with a window: from
+// the block holding its first visible position p - W + 1; blocks wholly before it are
+// never read), and folds each block into an online softmax with the same operations, per
+// query head h, starting from m = -inf, l = 0, acc = 0 (with sinks: m = sinks[h], l = 1):
+//   s[t]  = <scale * q[h], k[t]>                 for the block's visible tokens t
+//   s[t]  = cap * tanh(s[t] / cap)               with a softcap cap
 //   m'    = max(m, max_t s[t])                   running maximum
 //   c     = exp(m - m')                          rescales what was summed under m
 //   l     = c * l + sum_t exp(s[t] - m')         running sum
 //   acc   = c * acc + sum_t exp(s[t] - m') * v[t]
-// and finally out[h] = acc / l. The tokens of a block after p (not yet written, or
-// belonging to later rows) are never read. Rows are computed together only to share the
-// loads of K and V: a run of query vectors (heads of one KV head, of one or more rows)
-// goes through `attend_tile` together, and each vector's arithmetic there is the same
-// for any run length (the tests compare the bits). All arithmetic is fp32, and the result is rounded once when stored.
+// and finally out[h] = acc / l. A row folds only blocks in which it sees a token, so its
+// state never meets a block of scores that are all -inf. The tokens of a block after p
+// (not yet written, or belonging to later rows) are never read, and neither are the
+// values of tokens before the window. Rows are computed together only to share the
+// loads of K and V: a run of query vectors (heads of one KV head, of one or more rows,
+// that see the same tokens of the block) goes through `attend_tile` together, and each
+// vector's arithmetic there is the same for any run length (the tests compare the bits).
+// All arithmetic is fp32, and the result is rounded once when stored.
 //
 // Memory. Nothing is gathered or padded. The K rows of all KV heads of a token are
 // adjacent, so one work item reads each block as one contiguous piece; while a decode row
@@ -57,10 +72,13 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -243,17 +261,24 @@ struct HeadState {
   float* acc;
 };
 
-// Folds `tile` tokens of one KV block into the states of kGroup query vectors that share
-// one KV head. `q` holds their kGroup scaled query rows (kPairs pairs each); `keys` and
-// `values` point at the KV head's vector of the block's first token; `scores` has room
-// for kGroup tiles rounded up to whole vectors. Each K and V vector is loaded (and, for
-// bf16, widened) once and used by all kGroup vectors, and each vector's operations and
-// their order are the same for any kGroup.
-template <typename scalar_t, int64_t kPairs, int64_t kGroup>
+// Folds tokens [skip, tile) of one KV block into the states of kGroup query vectors that
+// share one KV head. `q` holds their kGroup scaled query rows (kPairs pairs each); `keys`
+// and `values` point at the KV head's vector of the block's first token; `scores` has
+// room for kGroup tiles rounded up to whole vectors. Each K and V vector is loaded (and,
+// for bf16, widened) once and used by all kGroup vectors, and each vector's operations and
+// their order are the same for any kGroup. Without kMasked, `skip` is 0 and `softcap` 0
+// whatever is passed, and this is the plain kernel's code; with it, a row in its window's
+// first block skips tokens before the window (their scores are -inf and their values are
+// not read) and a softcap > 0 caps the scores. Tokens [0, tile) are scored a kLanes
+// chunk at a time from the chunk holding `skip`, so a token's lane is its offset in the
+// block whatever `skip` is.
+template <typename scalar_t, int64_t kPairs, int64_t kGroup, bool kMasked>
 inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* values,
-                        int64_t token_stride, int64_t tile, int64_t padded_tile, float* scores,
-                        HeadState* states) {
-  for (int64_t t0 = 0; t0 < tile; t0 += kLanes) {
+                        int64_t token_stride, int64_t skip, int64_t tile, int64_t padded_tile,
+                        float* scores, HeadState* states, float softcap) {
+  const int64_t first = kMasked ? skip : 0;  // the first visible token
+  const int64_t first_chunk = first / kLanes * kLanes;
+  for (int64_t t0 = first_chunk; t0 < tile; t0 += kLanes) {
     const int64_t n = std::min(kLanes, tile - t0);
     Vec partial[kGroup][kLanes];
     for (int64_t i = 0; i < n; ++i) {
@@ -279,9 +304,17 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
   float correction[kGroup];
   for (int64_t g = 0; g < kGroup; ++g) {
     float* s = scores + g * padded_tile;
+    if constexpr (kMasked) {
+      if (softcap > 0.0f) {
+        for (int64_t t = first; t < tile; ++t) {
+          s[t] = softcap * std::tanh(s[t] / softcap);
+        }
+      }
+      std::fill(s + first_chunk, s + first, kNegInf);  // before the window: no weight
+    }
     std::fill(s + tile, s + padded_tile, kNegInf);  // exp(-inf) = 0: no weight
-    Vec tile_max = load(s);
-    for (int64_t t = kLanes; t < padded_tile; t += kLanes) {
+    Vec tile_max = load(s + first_chunk);
+    for (int64_t t = first_chunk + kLanes; t < padded_tile; t += kLanes) {
       tile_max = tile_max > load(s + t) ? tile_max : load(s + t);
     }
     HeadState& state = states[g];
@@ -289,7 +322,7 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
     // exp(-inf) = 0 on the first tile, while the sum and the accumulator are still 0.
     correction[g] = exp_nonpositive(splat(state.max - new_max))[0];
     Vec tile_sum{};
-    for (int64_t t = 0; t < padded_tile; t += kLanes) {
+    for (int64_t t = first_chunk; t < padded_tile; t += kLanes) {
       const Vec p = exp_nonpositive(load(s + t) - new_max);
       store(s + t, p);
       tile_sum += p;
@@ -306,7 +339,7 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
       acc[g][c].second *= correction[g];
     }
   }
-  for (int64_t t = 0; t < tile; ++t) {
+  for (int64_t t = first; t < tile; ++t) {
     const scalar_t* v = values + t * token_stride;
     for (int64_t c = 0; c < kPairs; ++c) {
       const Pair vc = load_pair(v + c * kPairLanes);
@@ -337,23 +370,23 @@ constexpr int64_t kMaxRun = std::is_same_v<scalar_t, float> ? 1 : 4;
 // Rows of a prefill chunk per work item.
 constexpr int64_t kRowTile = 16;
 
-template <typename scalar_t, int64_t kPairs>
+template <typename scalar_t, int64_t kPairs, bool kMasked>
 inline void attend_run(int64_t run, const Pair* q, const scalar_t* keys, const scalar_t* values,
-                       int64_t token_stride, int64_t tile, int64_t padded_tile, float* scores,
-                       HeadState* states) {
+                       int64_t token_stride, int64_t skip, int64_t tile, int64_t padded_tile,
+                       float* scores, HeadState* states, float softcap) {
   switch (run) {
     case 1:
-      return attend_tile<scalar_t, kPairs, 1>(q, keys, values, token_stride, tile, padded_tile,
-                                              scores, states);
+      return attend_tile<scalar_t, kPairs, 1, kMasked>(q, keys, values, token_stride, skip, tile,
+                                                       padded_tile, scores, states, softcap);
     case 2:
-      return attend_tile<scalar_t, kPairs, 2>(q, keys, values, token_stride, tile, padded_tile,
-                                              scores, states);
+      return attend_tile<scalar_t, kPairs, 2, kMasked>(q, keys, values, token_stride, skip, tile,
+                                                       padded_tile, scores, states, softcap);
     case 3:
-      return attend_tile<scalar_t, kPairs, 3>(q, keys, values, token_stride, tile, padded_tile,
-                                              scores, states);
+      return attend_tile<scalar_t, kPairs, 3, kMasked>(q, keys, values, token_stride, skip, tile,
+                                                       padded_tile, scores, states, softcap);
     default:
-      return attend_tile<scalar_t, kPairs, 4>(q, keys, values, token_stride, tile, padded_tile,
-                                              scores, states);
+      return attend_tile<scalar_t, kPairs, 4, kMasked>(q, keys, values, token_stride, skip, tile,
+                                                       padded_tile, scores, states, softcap);
   }
 }
 
@@ -372,10 +405,18 @@ inline void prefetch_share(const scalar_t* keys, const scalar_t* values, int64_t
   }
 }
 
+// The first position a row at `position` sees under a sliding window (0: none).
+inline int64_t first_visible(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position - window + 1) : 0;
+}
+
 // Raises a clear error instead of reading outside q or the cache when a caller's tables
-// disagree with them; costs one pass over B * max_blocks integers.
+// disagree with them; costs one pass over B * max_blocks integers. Only the blocks the
+// step reads are checked: with a window, a sequence's blocks wholly before its first
+// row's window are never read and may hold anything.
 void check_inputs(const int64_t* tables, const int64_t* starts, const int64_t* lens, int64_t batch,
-                  int64_t num_rows, int64_t max_blocks, int64_t block_size, int64_t num_blocks) {
+                  int64_t num_rows, int64_t max_blocks, int64_t block_size, int64_t num_blocks,
+                  int64_t window) {
   TORCH_CHECK(starts[0] == 0 && starts[batch] == num_rows, "query_start must run from 0 to ",
               num_rows, ", the number of query rows");
   for (int64_t b = 0; b < batch; ++b) {
@@ -386,7 +427,7 @@ void check_inputs(const int64_t* tables, const int64_t* starts, const int64_t* l
     TORCH_CHECK(queries >= 1 && queries <= len, "sequence ", b, " has ", queries,
                 " query rows for a context of ", len);
     const int64_t used = (len + block_size - 1) / block_size;
-    for (int64_t i = 0; i < used; ++i) {
+    for (int64_t i = first_visible(len - queries, window) / block_size; i < used; ++i) {
       const int64_t block = tables[b * max_blocks + i];
       TORCH_CHECK(block >= 0 && block < num_blocks, "block_tables[", b, "][", i, "] = ", block,
                   " is not a block of a ", num_blocks, "-block cache");
@@ -402,12 +443,19 @@ struct WorkItem {
   int64_t first_position;  // of the first row
 };
 
-// head_dim = kPairLanes * kPairs.
-template <typename scalar_t, int64_t kPairs>
+// The optional features (see the header), at their neutral values when off.
+struct Features {
+  int64_t window;      // 0: none
+  float softcap;       // 0: none
+  const float* sinks;  // [H], or null: none
+};
+
+// head_dim = kPairLanes * kPairs; kMasked: a window or a softcap is on.
+template <typename scalar_t, int64_t kPairs, bool kMasked>
 void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
                           const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                           const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                          float scale, torch::Tensor& out) {
+                          float scale, const Features& features, torch::Tensor& out) {
   constexpr int64_t kHeadDim = kPairs * kPairLanes;
   const int64_t num_rows = q.size(0);
   const int64_t num_heads = q.size(1);
@@ -419,6 +467,10 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t token_stride = num_kv_heads * kHeadDim;  // between tokens of one block
   const int64_t block_stride = block_size * token_stride;
   const int64_t padded_tile = (block_size + kLanes - 1) / kLanes * kLanes;
+  // Constants 0 without kMasked, so that the plain instantiation has no code for them.
+  const int64_t window = kMasked ? features.window : 0;
+  const float softcap = kMasked ? features.softcap : 0.0f;
+  const float* sinks = features.sinks;
 
   const scalar_t* q_data = q.data_ptr<scalar_t>();
   const scalar_t* k_data = k_cache.data_ptr<scalar_t>();
@@ -428,7 +480,8 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   const int64_t* lens = context_lens.data_ptr<int64_t>();
   scalar_t* out_data = out.data_ptr<scalar_t>();
 
-  check_inputs(tables, starts, lens, batch, num_rows, max_blocks, block_size, k_cache.size(0));
+  check_inputs(tables, starts, lens, batch, num_rows, max_blocks, block_size, k_cache.size(0),
+               window);
 
   std::vector<WorkItem> items;
   for (int64_t b = 0; b < batch; ++b) {
@@ -465,7 +518,9 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       for (int64_t r = 0; r < rows; ++r) {
         for (int64_t h = 0; h < num_heads; ++h) {
           const int64_t v = vector(h / group, r, h % group);
-          states[v] = {kNegInf, 0.0f, &acc[v * kHeadDim]};
+          // A sink is a logit already summed: exp(sinks[h] - m) = 1 under m = sinks[h].
+          states[v] = sinks == nullptr ? HeadState{kNegInf, 0.0f, &acc[v * kHeadDim]}
+                                       : HeadState{sinks[h], 1.0f, &acc[v * kHeadDim]};
           const scalar_t* q_row = q_data + ((item.first_row + r) * num_heads + h) * kHeadDim;
           for (int64_t c = 0; c < kPairs; ++c) {
             Pair qc = load_pair(q_row + c * kPairLanes);
@@ -477,18 +532,32 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       }
 
       const int64_t last_position = item.first_position + rows - 1;
-      for (int64_t start = 0; start <= last_position; start += block_size) {
+      // From the block holding the first row's first visible position: 0 without a window.
+      const int64_t first_start =
+          first_visible(item.first_position, window) / block_size * block_size;
+      for (int64_t start = first_start; start <= last_position; start += block_size) {
         const int64_t block_offset = table[start / block_size] * block_stride;
         const bool has_next = start + block_size <= last_position;
         const int64_t next_offset = has_next ? table[start / block_size + 1] * block_stride : 0;
-        // Rows before `first_active` end before this block; rows from `first_full` on see
-        // all of it; the rows between see its first (position - start + 1) tokens.
+        // Rows before `first_active` end before this block, and rows from `end_active` on
+        // (with a window) start after it. Of the rows between, those in [first_full,
+        // full_end) see all of it and go through together; the others see part of it and
+        // go one by one: a row before first_full sees its first (position - start + 1)
+        // tokens, and a row whose window starts inside the block skips the tokens before.
+        // Without a window, end_active = full_end = rows.
         const int64_t first_active = std::max<int64_t>(0, start - item.first_position);
         const int64_t first_full =
             std::min(rows, std::max<int64_t>(0, start + block_size - 1 - item.first_position));
-        const int64_t active_vectors = (rows - first_active) * num_heads;
+        int64_t end_active = rows;
+        int64_t full_end = rows;
+        if (window > 0) {
+          end_active = std::min(rows, start + block_size - 1 + window - item.first_position);
+          full_end = std::clamp(start + window - item.first_position, first_full, end_active);
+        }
+        const int64_t active_vectors = (end_active - first_active) * num_heads;
         int64_t done = 0;  // vectors of this block computed so far, for the prefetch shares
-        const auto attend = [&](int64_t kv, int64_t first, int64_t count, int64_t tile) {
+        const auto attend = [&](int64_t kv, int64_t first, int64_t count, int64_t skip,
+                                int64_t tile) {
           const int64_t kv_offset = block_offset + kv * kHeadDim;
           for (int64_t v = first; v < first + count;) {
             const int64_t run = std::min(kMaxRun<scalar_t>, first + count - v);
@@ -496,19 +565,30 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
               prefetch_share(k_data + next_offset, v_data + next_offset, block_stride, part,
                              active_vectors);
             }
-            attend_run<scalar_t, kPairs>(run, &q_rows[v * kPairs], k_data + kv_offset,
-                                         v_data + kv_offset, token_stride, tile, padded_tile,
-                                         scores.data(), &states[v]);
+            attend_run<scalar_t, kPairs, kMasked>(run, &q_rows[v * kPairs], k_data + kv_offset,
+                                                  v_data + kv_offset, token_stride, skip, tile,
+                                                  padded_tile, scores.data(), &states[v],
+                                                  softcap);
             v += run;
             done += run;
           }
         };
+        // One row, seeing tokens [skip, tile) of the block.
+        const auto attend_row = [&](int64_t kv, int64_t r) {
+          const int64_t position = item.first_position + r;
+          const int64_t skip = std::max<int64_t>(0, first_visible(position, window) - start);
+          const int64_t tile = std::min(position + 1 - start, block_size);
+          attend(kv, vector(kv, r, 0), group, skip, tile);
+        };
         for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
           for (int64_t r = first_active; r < first_full; ++r) {
-            attend(kv, vector(kv, r, 0), group, item.first_position + r - start + 1);
+            attend_row(kv, r);
           }
-          if (first_full < rows) {
-            attend(kv, vector(kv, first_full, 0), (rows - first_full) * group, block_size);
+          if (first_full < full_end) {
+            attend(kv, vector(kv, first_full, 0), (full_end - first_full) * group, 0, block_size);
+          }
+          for (int64_t r = full_end; r < end_active; ++r) {
+            attend_row(kv, r);
           }
         }
       }
@@ -534,10 +614,19 @@ template <typename scalar_t>
 void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
                        const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                        const torch::Tensor& query_start, const torch::Tensor& context_lens,
-                       float scale, torch::Tensor& out) {
+                       float scale, const Features& features, torch::Tensor& out) {
+  const bool masked = features.window > 0 || features.softcap > 0.0f;
   const auto run = [&](auto pairs) {
-    paged_attention_impl<scalar_t, decltype(pairs)::value>(q, k_cache, v_cache, block_tables,
-                                                           query_start, context_lens, scale, out);
+    constexpr int64_t kPairs = decltype(pairs)::value;
+    if (masked) {
+      paged_attention_impl<scalar_t, kPairs, true>(q, k_cache, v_cache, block_tables,
+                                                   query_start, context_lens, scale, features,
+                                                   out);
+    } else {
+      paged_attention_impl<scalar_t, kPairs, false>(q, k_cache, v_cache, block_tables,
+                                                    query_start, context_lens, scale, features,
+                                                    out);
+    }
   };
   switch (q.size(2)) {
     case 32: return run(std::integral_constant<int64_t, 32 / kPairLanes>{});
@@ -552,7 +641,9 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
 torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cache,
                               const torch::Tensor& v_cache, const torch::Tensor& block_tables,
                               const torch::Tensor& query_start,
-                              const torch::Tensor& context_lens, double scale) {
+                              const torch::Tensor& context_lens, double scale,
+                              int64_t sliding_window, double softcap,
+                              const std::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(q.device().is_cpu(), "paged_attention runs on the CPU");
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4,
               "q must be [T, H, D] and the caches [num_blocks, block_size, Hkv, D]");
@@ -568,6 +659,23 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
               "block_tables must be [B, max_blocks], context_lens [B] and query_start [B + 1]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(),
               "k_cache and v_cache must be contiguous");
+  TORCH_CHECK(sliding_window >= 0, "paged_attention: sliding_window must be >= 0 (0: none), not ",
+              sliding_window);
+  const float fsoftcap = static_cast<float>(softcap);
+  TORCH_CHECK(softcap >= 0.0 && std::isfinite(fsoftcap),
+              "paged_attention: softcap must be finite and >= 0 (0: none), not ", softcap);
+  torch::Tensor sinks_c;
+  if (sinks.has_value()) {
+    const torch::Tensor& s = *sinks;
+    TORCH_CHECK(s.device().is_cpu(), "paged_attention: sinks must be on the CPU, not on ",
+                s.device());
+    TORCH_CHECK(s.scalar_type() == torch::kFloat, "paged_attention: sinks must be float32, not ",
+                s.scalar_type());
+    TORCH_CHECK(s.dim() == 1 && s.size(0) == q.size(1),
+                "paged_attention: sinks must be [H] = [", q.size(1), "], one per query head, not ",
+                s.sizes());
+    sinks_c = s.contiguous();
+  }
 
   const torch::Tensor q_c = q.contiguous();
   const torch::Tensor tables = block_tables.to(torch::kLong).contiguous();
@@ -579,12 +687,20 @@ torch::Tensor paged_attention(const torch::Tensor& q, const torch::Tensor& k_cac
     return out;
   }
   const float fscale = static_cast<float>(scale);
+  // A window as long as the longest context the tables can hold is no window (and its
+  // arithmetic below could overflow).
+  const int64_t window =
+      sliding_window >= block_tables.size(1) * k_cache.size(1) ? 0 : sliding_window;
+  const Features features{window, fsoftcap,
+                          sinks_c.defined() ? sinks_c.data_ptr<float>() : nullptr};
   switch (q.scalar_type()) {
     case at::ScalarType::Float:
-      dispatch_head_dim<float>(q_c, k_cache, v_cache, tables, starts, lens, fscale, out);
+      dispatch_head_dim<float>(q_c, k_cache, v_cache, tables, starts, lens, fscale, features,
+                               out);
       break;
     case at::ScalarType::BFloat16:
-      dispatch_head_dim<at::BFloat16>(q_c, k_cache, v_cache, tables, starts, lens, fscale, out);
+      dispatch_head_dim<at::BFloat16>(q_c, k_cache, v_cache, tables, starts, lens, fscale,
+                                      features, out);
       break;
     default:
       TORCH_CHECK(false, "paged_attention takes float32 or bfloat16, not ", q.scalar_type());
@@ -632,18 +748,21 @@ void store_kv(const torch::Tensor& key, const torch::Tensor& value,
 torch::Tensor paged_attention_layer(const torch::Tensor& q, const torch::Tensor& kv_cache,
                                     int64_t layer, const torch::Tensor& block_tables,
                                     const torch::Tensor& query_start,
-                                    const torch::Tensor& context_lens, double scale) {
+                                    const torch::Tensor& context_lens, double scale,
+                                    int64_t sliding_window, double softcap,
+                                    const std::optional<torch::Tensor>& sinks) {
   const torch::Tensor caches = kv_cache.select(0, layer);
   return paged_attention(q, caches.select(0, 0), caches.select(0, 1), block_tables, query_start,
-                         context_lens, scale);
+                         context_lens, scale, sliding_window, softcap, sinks);
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention,
-        "Causal attention over a paged KV cache for decode rows and prefill chunks: "
-        "q [T, H, D] -> [T, H, D]",
+        "Causal attention over a paged KV cache for decode rows and prefill chunks, with an "
+        "optional sliding window, logit softcap and attention sinks: q [T, H, D] -> [T, H, D]",
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"),
-        py::arg("query_start"), py::arg("context_lens"), py::arg("scale"));
+        py::arg("query_start"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("sliding_window") = 0, py::arg("softcap") = 0.0, py::arg("sinks") = py::none());
 }
 
 // The compiled forward's ops, in C++ from end to end: a compiled graph calls them through
@@ -654,7 +773,8 @@ TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("store_kv(Tensor key, Tensor value, Tensor(a!) kv_cache, int layer, Tensor slots) -> ()");
   m.def(
       "paged_attention(Tensor q, Tensor kv_cache, int layer, Tensor block_tables, "
-      "Tensor query_start, Tensor context_lens, float scale) -> Tensor");
+      "Tensor query_start, Tensor context_lens, float scale, int sliding_window, float softcap, "
+      "Tensor? sinks) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {

@@ -15,12 +15,10 @@ EXTENSION = CppExtension("paged_attention", Path(__file__).with_name("paged_atte
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
 SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
 
-# (q, k_cache, v_cache, block_tables, query_start, context_lens, scale) -> out: see
+# (q, k_cache, v_cache, block_tables, query_start, context_lens, scale, sliding_window,
+# softcap, sinks) -> out, the ten arguments in this order, all positional: see
 # `paged_attention`; the torch implementations in engine.model.attention share it.
-AttentionKernel = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-    torch.Tensor,
-]
+AttentionKernel = Callable[..., torch.Tensor]
 
 
 def load_attention_kernel() -> AttentionKernel | None:
@@ -53,6 +51,9 @@ def paged_attention(
     query_start: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    sliding_window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention over a paged KV cache, on the CPU, without gathering K/V.
 
@@ -64,10 +65,31 @@ def paged_attention(
     rows of its context of context_lens[b] tokens, each in `[1, max_blocks * block_size]`.
     Returns `[T, H, D]` in q's dtype: for a row at position p and head h,
     softmax(scale * q . K^T) V over positions 0..p of KV head h // (H // Hkv), in fp32.
+
+    Optional features, off at their defaults:
+    - `sliding_window` W >= 1: the row sees positions p - W < t <= p only (0: no window).
+      Blocks wholly before the first row's window are never read, so their table entries
+      may hold anything.
+    - `softcap` c > 0: each score s = scale * q . k becomes c * tanh(s / c) before the
+      softmax (Gemma 2's logit softcapping; 0: none).
+    - `sinks`, a float32 CPU tensor `[H]`: head h's softmax also runs over one logit
+      sinks[h] whose probability is dropped, i.e. exp(sinks[h] - max) joins the
+      denominator only (gpt-oss's `s_aux`; None: none).
+
     A row's bits depend only on its query, its position and its context's K/V (see the
-    source's "Invariance"). Raises `KernelUnavailableError` if the kernel cannot be built
-    and `RuntimeError` on inputs that break these invariants.
+    source's "Invariance"), with or without the features. Raises `KernelUnavailableError`
+    if the kernel cannot be built and `RuntimeError` on inputs that break these
+    invariants (a negative window or softcap, sinks of another shape, dtype or device).
     """
     return EXTENSION.load().paged_attention(
-        q, k_cache, v_cache, block_tables, query_start, context_lens, scale
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start,
+        context_lens,
+        scale,
+        sliding_window,
+        softcap,
+        sinks,
     )
