@@ -339,5 +339,5 @@ def test_registration_stops_at_a_released_block() -> None:
     bm.release_before("a", 4)
     bm.reset_prefix_cache()
     bm.cache_full_blocks("a", tokens, 12)
-    assert bm.can_allocate(tokens + [99]) is AllocStatus.OK
-    assert bm.allocate("b", tokens + [99]) == 0
+    assert bm.can_allocate([*tokens, 99]) is AllocStatus.OK
+    assert bm.allocate("b", [*tokens, 99]) == 0
