@@ -80,8 +80,9 @@ class AsyncLLM:
 
     Invariants: every request id in `_streams` has been or will be added to the engine, and
     its stream is removed when its consumer stops, which aborts it if it is unfinished.
-    Every `_Snapshot` command gets its reply: queued before the engine loop ends, it is
-    answered or failed; after, `_answering` is False and none is queued.
+    Every stream and every `_Snapshot` command gets its answer: registered or queued before
+    the engine loop ends, it is answered or failed; after, `_answering` is False and none
+    is registered or queued. So a request never waits on a dead engine.
     """
 
     engine: LLMEngine  # set by the engine thread before it reports the engine loaded
@@ -101,6 +102,8 @@ class AsyncLLM:
         self._answering_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._failure: BaseException | None = None
+        # The engine loop's end: what killed it, or None once it was stopped.
+        self._ended: Future[BaseException | None] = Future()
         loaded: queue.SimpleQueue[LLMEngine | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(config, loaded), name="pagedserve-engine", daemon=True
@@ -138,6 +141,11 @@ class AsyncLLM:
     @property
     def is_healthy(self) -> bool:
         return self._thread.is_alive() and self._failure is None
+
+    async def wait_ended(self) -> BaseException | None:
+        """Wait for the engine loop to end: the exception that killed it, or None when it
+        was shut down. Cancelling the wait leaves the engine alone."""
+        return await asyncio.shield(asyncio.wrap_future(self._ended))
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -199,13 +207,16 @@ class AsyncLLM:
         Raises EngineError if the engine failed the request. Leaving the loop early aborts
         the request.
         """
-        if not self.is_healthy:
-            raise EngineError("the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in use")
         outputs: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-        self._commands.put(_Add(request_id, request))
+        # Under the lock, so that a loop ending meanwhile either sees this stream (and
+        # fails it) or has already refused it: a stream never waits on a dead engine.
+        with self._answering_lock:
+            if not self._answering or not self.is_healthy:
+                raise EngineError("the engine is not running")
+            self._streams[request_id] = (asyncio.get_running_loop(), outputs)
+            self._commands.put(_Add(request_id, request))
         finished = False
         try:
             while not finished:
@@ -245,12 +256,20 @@ class AsyncLLM:
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)
         except BaseException as exc:
-            logger.exception("the engine loop died")
+            logger.exception(
+                "the engine loop died; failing the %d requests in flight, and every later "
+                "one, with an error",
+                len(self._streams),
+            )
             self._failure = exc
-            for request_id in list(self._streams):
-                self._deliver(request_id, exc)
         finally:
             self._stop_answering()
+            # No stream is registered from now on; fail those left (all of them when the
+            # loop died, those a shutdown cut short when it was stopped).
+            failure = self._failure or EngineError("the engine has shut down")
+            for request_id in list(self._streams):
+                self._deliver(request_id, failure)
+            self._ended.set_result(self._failure)
 
     def _apply_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if `block`); False once told to stop."""

@@ -3,7 +3,10 @@ lifetime.
 
 The engine loads in a background task started by the lifespan, so the server answers
 (with 503s, /health included) while a model loads for seconds or minutes; the lifespan's
-exit shuts the engine down. Another of its tasks records the dashboard's history.
+exit shuts the engine down. Another of its tasks records the dashboard's history, and a
+third watches the engine: if its loop dies, every request in flight has been failed (a 500,
+or an error event on a stream), /health and new requests answer 503, and
+`on_engine_death` hears of it (`pagedserve serve` then exits, so a supervisor restarts it).
 """
 
 from __future__ import annotations
@@ -34,15 +37,18 @@ def build_app(
     *,
     llm_factory: LLMFactory = AsyncLLM.from_config,
     on_load_error: Callable[[BaseException], None] | None = None,
+    on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
-    """An app serving `config`; `llm_factory` builds the engine (in a worker thread) and
-    `on_load_error` hears of a failure to build it."""
+    """An app serving `config`; `llm_factory` builds the engine (in a worker thread),
+    `on_load_error` hears of a failure to build it and `on_engine_death` of its loop dying
+    (on the event loop, after the requests in flight were failed)."""
     state = ServerState(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
         recording = asyncio.create_task(state.history.run())
+        watching = asyncio.create_task(_watch_engine(state, loading, on_engine_death))
         try:
             yield
         finally:
@@ -50,6 +56,7 @@ def build_app(
             # A load in progress cannot be interrupted; let it finish so its engine
             # thread can be stopped rather than leaked.
             await loading
+            watching.cancel()
             if state.llm is not None:
                 await state.llm.shutdown()
 
@@ -102,3 +109,26 @@ async def _load_engine(
     )
     host = f"[{config.host}]" if ":" in config.host else config.host
     logger.info("OpenAI-compatible API at http://%s:%d/v1", host, config.port)
+
+
+async def _watch_engine(
+    state: ServerState,
+    loading: asyncio.Task[None],
+    on_engine_death: Callable[[BaseException], None] | None,
+) -> None:
+    """Once the engine has loaded, wait for its loop to end; if it died, say so and tell
+    `on_engine_death`."""
+    await asyncio.shield(loading)
+    if state.llm is None:
+        return
+    failure = await state.llm.wait_ended()
+    if failure is None:
+        return
+    logger.error(
+        "the engine died (%s: %s): the requests in flight were failed with an error, and "
+        "/health and every new request answer 503 from now on",
+        type(failure).__name__,
+        failure,
+    )
+    if on_engine_death is not None:
+        on_engine_death(failure)

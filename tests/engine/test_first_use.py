@@ -11,7 +11,7 @@ import time
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
-from engine.first_use import build_once
+from engine.first_use import MANIFEST, build_once
 
 # spawn: the children start clean, not as copies of a pytest process that may hold torch.
 CONTEXT = multiprocessing.get_context("spawn")
@@ -111,4 +111,5 @@ def test_a_builder_killed_while_holding_the_lock_blocks_no_one(tmp_path: Path) -
     assert builds(tmp_path) == [str(doomed.pid), str(waiter.pid)]
     # The killed build's staging folder is gone, and none of it is in the result.
     assert sorted(os.listdir(tmp_path / "cache")) == [".target.lock", "target"]
-    assert sorted(os.listdir(tmp_path / "cache" / "target")) == [f"from-{waiter.pid}", "result"]
+    result = [MANIFEST, f"from-{waiter.pid}", "result"]
+    assert sorted(os.listdir(tmp_path / "cache" / "target")) == result
