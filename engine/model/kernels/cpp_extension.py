@@ -3,7 +3,8 @@
 A `CppExtension` compiles one `.cpp` file with torch's JIT extension builder (ninja and the
 system C++ compiler) into `$PAGEDSERVE_CACHE/kernels/<name>-<tag>`. The tag hashes the
 torch and Python versions and the CPU's feature flags, because the library is linked
-against torch's ABI and built with `-march=native`. A first build takes 30 to 50 s on a
+against torch's ABI and built with `-march=native`, and the source and flags, so that
+checkouts of different versions keep a library each. A first build takes 30 to 50 s on a
 2-core CPU; later processes load the library directly, without compiler or ninja, when
 the folder's stamp shows it was built from this very source and these flags: a container
 image can carry libraries built in its builder stage. A failed build is logged once and
@@ -92,8 +93,12 @@ class CppExtension:
         return None
 
     def build_directory(self) -> Path:
-        """Where the library is built: one folder per torch, Python and CPU combination."""
-        fingerprint = "|".join((torch.__version__, sys.version, platform.machine(), cpu_flags()))
+        """Where the library is built: one folder per source, flags, torch, Python and CPU
+        combination, so that two checkouts (or versions) on one machine never rebuild each
+        other's library at every start."""
+        fingerprint = "|".join(
+            (torch.__version__, sys.version, platform.machine(), cpu_flags(), self._source_digest())
+        )
         tag = hashlib.sha256(fingerprint.encode()).hexdigest()[:12]
         return cache_root() / "kernels" / f"{self.name}-{tag}"
 
