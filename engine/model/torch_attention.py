@@ -191,9 +191,9 @@ def attend_causal(
             mask &= key_pos > query_pos[:, None] - features.sliding_window
     if not plain:
         grouped = q.view(num_queries, keys.shape[1], group_size, q.shape[2])
-        scores = torch.einsum("qhgd,shd->hgqs", grouped, keys).float() * scale
-        probs = _softmax(scores, ~mask, features).to(values.dtype)
-        out = torch.einsum("hgqs,shd->qhgd", probs, values)
+        scores = torch.einsum("qhgd,shd->qhgs", grouped, keys).float() * scale
+        probs = _softmax(scores, ~mask[:, None, None, :], features).to(values.dtype)
+        out = torch.einsum("qhgs,shd->qhgd", probs, values)
         return out.reshape(q.shape)
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None],

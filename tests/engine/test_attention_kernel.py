@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.attention_metadata import AttentionFeatures, PagedAttentionMetadata
 from engine.model.kernels import cpp_extension, custom_ops
 from engine.model.kernels import paged_attention as kernel_module
 from engine.model.kernels.paged_attention import (
@@ -440,6 +440,35 @@ def test_all_features_together_match_reference(
         queries=FEATURE_QUERIES,
     )  # fmt: skip
     assert_features_match(with_features(case, sliding_window=window, softcap=5.0, sinks=True))
+
+
+@DTYPES
+@pytest.mark.parametrize("window", [0, 6, 40])
+def test_the_torch_paths_take_the_features_too(dtype: torch.dtype, window: int) -> None:
+    # The CPU's blockwise path and CUDA's gathered one (decode rows batched, prefill chunks
+    # by SDPA, or by hand with a softcap or sinks), run here on the CPU.
+    case = make_case(
+        FEATURE_LENGTHS, 9, 3, 64, 16, dtype, seed=6, query_scale=4.0, queries=FEATURE_QUERIES
+    )
+    case = with_features(case, sliding_window=window, softcap=5.0 if window else 0.0, sinks=True)
+    case.kv_cache = torch.nan_to_num(case.kv_cache)  # the gathered path reads padding slots
+    case.block_tables = case.block_tables.clamp(max=case.kv_cache.shape[2] - 1)
+    features = AttentionFeatures(case.sliding_window, case.softcap, case.sinks)
+    expected = reference(case)
+    meta = case.metadata()
+    tolerance = FP32_TOL if dtype == torch.float32 else BF16_TOL
+    actual = blockwise_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, features)
+    torch.testing.assert_close(actual.double(), expected, **tolerance)
+    # The gathered path rounds the probabilities to bf16 before weighting V, as SDPA does:
+    # with these peaked scores that alone moves a bf16 output by up to 0.025.
+    tolerance = FP32_TOL if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    actual = gathered_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, features)
+    torch.testing.assert_close(actual.double(), expected, **tolerance)
+    # Window only (SDPA with a mask, no hand-computed scores), then nothing.
+    for only in (AttentionFeatures(sliding_window=window), AttentionFeatures()):
+        plain = replace(case, sliding_window=only.sliding_window, softcap=0.0, sinks=None)
+        actual = gathered_attention(case.q, case.k_cache, case.v_cache, meta, case.scale, only)
+        torch.testing.assert_close(actual.double(), reference(plain), **tolerance)
 
 
 @pytest.mark.parametrize("features", [dict(sliding_window=7, softcap=5.0, sinks=True)])
