@@ -11,11 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import json
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import agents
 import httpx
@@ -31,7 +27,7 @@ from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
 from pydantic_ai.settings import ModelSettings
 
-from bench.tables import free_port
+from tests.server.serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 
@@ -98,37 +94,14 @@ def valid_person(person: object) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`pagedserve serve` on the default model, as users run it, on a free loopback port."""
-    port = free_port()
-    command = [
-        *(sys.executable, "-m", "server", "serve", "--model", "default", "--dtype", "float32"),
-        *("--device", "cpu", "--kv-cache-memory", "256MiB", "--max-model-len", "2048"),
-        *("--port", str(port), "--log-level", "warning"),
+    args = [
+        *("--model", "default", "--dtype", "float32", "--device", "cpu"),
+        *("--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"),
     ]
     log = tmp_path_factory.mktemp("agent-clients") / "server.log"
-    with log.open("wb") as sink:
-        process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # a first start converts the model, builds kernels
-        while not _healthy(url):
-            assert process.poll() is None, f"the server exited:\n{_tail(log)}"
-            assert time.monotonic() < deadline, f"the server did not start:\n{_tail(log)}"
-            time.sleep(0.2)
+    # A first start converts the model and builds the kernels.
+    with serve_process(args, log, timeout=300) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def _tail(log: Path) -> str:
-    return log.read_text(errors="replace")[-4000:]
 
 
 @pytest.fixture(scope="module")

@@ -71,6 +71,8 @@ def server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
         api_key=API_KEY,
         kv_cache_memory="4MiB",
         max_num_seqs=MAX_NUM_SEQS,
+        # 4 sequences of 1,024 tokens could use all 256 blocks: none are left out.
+        max_model_len=1024,
     )
     with live_server(config, llm_factory=slow_engine) as url:
         yield url

@@ -5,8 +5,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.tables import free_port
+from tests.server.serve_process import serve_process
 
 STREAMS = 8
 HUGE_PROMPT_CHARS = 100_000
@@ -49,30 +47,14 @@ def _gaps(arrivals: list[float], start: float, end: float) -> list[float]:
 def server_process(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
     """The tiny Llama served by `pagedserve serve` in a process of its own, as users run it:
     no thread of the test shares its interpreter."""
-    port = free_port()
-    command = [
-        *(sys.executable, "-m", "server", "serve", "--model", str(tiny_model_paths["llama"])),
-        *("--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "64MiB"),
-        *("--max-model-len", "512", "--served-model-name", "tiny", "--port", str(port)),
+    args = [
+        *("--model", str(tiny_model_paths["llama"]), "--dtype", "float32", "--device", "cpu"),
+        *("--kv-cache-memory", "64MiB", "--max-model-len", "512", "--served-model-name", "tiny"),
     ]
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 120
-        while not _healthy(url):
-            assert process.poll() is None and time.monotonic() < deadline, "no server"
-            time.sleep(0.1)
+    # Its output goes nowhere: written to a file, the streams' median gap while the huge
+    # prompt was processed went from 2 to 12 ms in 3 runs of 3 (cause not found).
+    with serve_process(args, None, timeout=120) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.ConnectError:
-        return False
 
 
 def test_a_huge_prompt_does_not_stall_running_streams(server_process: str) -> None:

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -23,10 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.tables import free_port
 from tests.server.compile_watch import LOG_VARIABLE
+from tests.server.serve_process import serve_process
 
-ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT = 300  # the compiled variant compiles the tiny forward first, on 2 busy cores
 STREAMS = 4
 
@@ -119,33 +115,16 @@ GETS = ["/v1/models", "/metrics", "/version", "/dashboard/state"]
 @contextmanager
 def watched_server(model: Path, log: Path, env: dict[str, str], *args: str) -> Iterator[str]:
     """The tiny Llama served in a process of its own under `compile_watch`; its URL."""
-    port = free_port()
-    command = [
-        *(sys.executable, "-m", "tests.server.compile_watch", "serve", "--model", str(model)),
-        *("--dtype", "float32", "--device", "cpu", "--kv-cache-memory", "64MiB"),
-        *("--max-model-len", "2048", "--served-model-name", "tiny", "--port", str(port), *args),
+    arguments = [
+        *("--model", str(model), "--dtype", "float32", "--device", "cpu"),
+        *("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--served-model-name", "tiny"),
+        *args,
     ]
     output = log.with_suffix(".out")
-    with output.open("w") as out:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=out)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not _healthy(url):
-            assert process.poll() is None, f"the server exited: {output.read_text()[-5000:]}"
-            assert time.monotonic() < deadline, f"not healthy: {output.read_text()[-5000:]}"
-            time.sleep(0.1)
+    with serve_process(
+        arguments, output, module="tests.server.compile_watch", env=env, timeout=START_TIMEOUT
+    ) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health").status_code == 200
-    except httpx.TransportError:
-        return False
 
 
 async def _send(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str:
