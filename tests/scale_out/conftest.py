@@ -23,9 +23,11 @@ REPLICA_CPUS = 1
 REPLICAS = 2
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def serve_url() -> Iterator[str]:
-    """Ray Serve on a local cluster, its HTTP proxy on a free port; torn down at the end."""
+    """Ray Serve on a local cluster, its HTTP proxy on a free port; torn down after this
+    package's last test, so that its daemons do not share the cores with the tests of the
+    packages that run later."""
     pytest.importorskip("ray")
     from scale_out.launch import local_serve
 
