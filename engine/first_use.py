@@ -16,34 +16,26 @@ takes no lock, so a read-only cache holding everything already works.
 
 A target damaged after it was made (a file truncated by a full disk or a killed copy, or
 deleted) is made again, with a warning that says what was wrong, rather than failing deep
-inside whatever loads it (a truncated library kills the process that loads it: SIGBUS).
-Each build records every file's size in a manifest (`.pagedserve-manifest.json`, written
-last into the staging folder), checked at every use (a `stat` per file); and the headers
-of `.safetensors` files and of `.so` libraries must account for their sizes, which covers
-targets made before manifests were too. Contents are not checksummed: a check at every
-start would read every byte (the default model's 540 MB).
+inside whatever loads it (see `engine.first_use_manifest`).
 """
 
 from __future__ import annotations
 
 import fcntl
-import json
 import logging
 import os
 import shutil
-import struct
 import time
 from collections.abc import Callable, Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
+from engine.first_use_manifest import damage, write_manifest
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-# Written last into a target: each of its files' size when it was made.
-MANIFEST = ".pagedserve-manifest.json"
 
 
 @contextmanager
@@ -108,7 +100,7 @@ def build_once(
         start = time.monotonic()
         try:
             result = build(staging)
-            _write_manifest(staging, rewritten)
+            write_manifest(staging, rewritten)
             if target.exists():
                 # Aside first, so that the target is never seen half deleted.
                 old = staging.with_name(f"{staging.name}-old")
@@ -130,79 +122,4 @@ def _problem(target: Path, complete: Callable[[Path], bool]) -> str | None:
         return "is missing"
     if not complete(target):
         return "is incomplete or out of date (a build that was interrupted, or an older one)"
-    return _damage(target)
-
-
-def _damage(target: Path) -> str | None:
-    """What the manifest or a safetensors header shows damaged in `target`, or None."""
-    manifest = target / MANIFEST
-    if manifest.exists():  # else made before manifests were: the headers alone are checked
-        try:
-            sizes = json.loads(manifest.read_text())["sizes"]
-        except (OSError, ValueError, KeyError, TypeError):
-            return f"is damaged: its {MANIFEST} cannot be read"
-        for name, size in sizes.items():
-            try:
-                actual = (target / name).stat().st_size
-            except OSError:
-                return f"is damaged: {name} is missing"
-            if actual != size:
-                return f"is damaged: {name} is {actual} bytes, but was {size} when it was made"
-    for path in sorted(target.glob("*.safetensors")):
-        described = _safetensors_size(path)
-        actual = path.stat().st_size
-        if described != actual:
-            what = "an unreadable header" if described is None else f"{described} bytes"
-            return f"is damaged: {path.name} is {actual} bytes, but its header describes {what}"
-    for path in sorted(target.glob("*.so")):
-        described = _elf_size(path)
-        actual = path.stat().st_size
-        if described is not None and described > actual:
-            return f"is damaged: {path.name} is {actual} bytes, but its headers need {described}"
-    return None
-
-
-def _safetensors_size(path: Path) -> int | None:
-    """The size a safetensors file's header describes (header and every tensor's data), or
-    None if the header cannot be read."""
-    try:
-        with path.open("rb") as file:
-            (length,) = struct.unpack("<Q", file.read(8))
-            if length > 100_000_000:
-                return None
-            header = json.loads(file.read(length))
-        ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
-    except (OSError, ValueError, KeyError, TypeError, IndexError, struct.error):
-        return None
-    return 8 + length + max(ends, default=0)
-
-
-def _elf_size(path: Path) -> int | None:
-    """The least size a 64-bit little-endian ELF file's headers say it has (the ends of its
-    header tables and of its loaded segments), or None for any other file: a truncated
-    library is mapped beyond its end by the dynamic loader, which kills the process with
-    SIGBUS, not an ImportError."""
-    try:
-        with path.open("rb") as file:
-            header = file.read(64)
-            if len(header) < 64 or header[:6] != b"\x7fELF\x02\x01":
-                return None
-            (phoff, shoff) = struct.unpack_from("<QQ", header, 32)
-            (phentsize, phnum, shentsize, shnum) = struct.unpack_from("<HHHH", header, 54)
-            ends = [phoff + phentsize * phnum, shoff + shentsize * shnum]
-            file.seek(phoff)
-            table = file.read(phentsize * phnum)
-            for i in range(phnum if len(table) == phentsize * phnum else 0):
-                offset, filesz = struct.unpack_from("<Q16xQ", table, i * phentsize + 8)
-                ends.append(offset + filesz)
-    except (OSError, struct.error):
-        return None
-    return max(ends)
-
-
-def _write_manifest(staging: Path, rewritten: Collection[str]) -> None:
-    files = (path for path in sorted(staging.rglob("*")) if path.is_file())
-    sizes = {path.relative_to(staging).as_posix(): path.stat().st_size for path in files}
-    for name in rewritten:
-        sizes.pop(name, None)
-    (staging / MANIFEST).write_text(json.dumps({"sizes": sizes}, indent=1) + "\n")
+    return damage(target)

@@ -11,7 +11,8 @@ import time
 from multiprocessing.context import SpawnProcess
 from pathlib import Path
 
-from engine.first_use import MANIFEST, build_once
+from engine.first_use import build_once
+from engine.first_use_manifest import MANIFEST
 
 # spawn: the children start clean, not as copies of a pytest process that may hold torch.
 CONTEXT = multiprocessing.get_context("spawn")
