@@ -68,15 +68,17 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     syntax, tools = state.tool_syntax(), ChatTools.of(body)
-    forced_call = tools.structured_outputs(syntax) if tools is not None else None
-    if forced_call is not None:
-        aliases["structured_outputs"] = "tools"  # the grammar of a forced call
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
             max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
         )
-        if forced_call is not None:
-            params = dataclasses.replace(params, structured_outputs=forced_call)
+        # The grammar of the tools' calls, unless the request constrains the reply itself
+        # (only in `auto` mode: structured outputs cannot come with a forced call).
+        if tools is not None and params.structured_outputs is None:
+            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
+            params = dataclasses.replace(
+                params, structured_outputs=tools.structured_outputs(syntax)
+            )
         messages, template_tools = template_inputs(body, syntax, tools)
         try:
             prompt = await llm.process_chat(messages, params, template_tools)

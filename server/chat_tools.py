@@ -1,5 +1,6 @@
-"""A chat request's tools: the conversation as the template reads it, the grammar that forces
-a call, and the calls read back out of each choice's text.
+"""A chat request's tools: the conversation as the template reads it, the grammar of the
+calls (forcing one, or in `auto` holding a begun call to its schema), and the calls read
+back out of each choice's text.
 
 The chat template renders the tools when it takes a `tools` list (Qwen's, Llama 3's and
 most tool-trained models'); for a template that ignores them, the tools are described in
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,14 +31,21 @@ from server.tools import template_takes_tools as takes_tools
 
 @dataclass(frozen=True, slots=True)
 class ToolSyntax:
-    """How this server's model reads and writes tool calls."""
+    """How this server's model reads and writes tool calls. `tokens` are the format's
+    markers that the tokenizer holds as tokens of their own that decode as text."""
 
     format: ToolCallFormat
     template_takes_tools: bool
+    tokens: frozenset[str] = frozenset()
 
     @classmethod
-    def of(cls, setting: str, chat_template: str | None) -> ToolSyntax:
-        return cls(choose_format(setting, chat_template), takes_tools(chat_template))
+    def of(
+        cls, setting: str, chat_template: str | None, text_tokens: Collection[str] = ()
+    ) -> ToolSyntax:
+        """`text_tokens`: the tokenizer's added tokens that decoding keeps as text."""
+        tool_format = choose_format(setting, chat_template)
+        markers = frozenset(tool_format.markers) & frozenset(text_tokens)
+        return cls(tool_format, takes_tools(chat_template), markers)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,10 +77,14 @@ class ChatTools:
             parallel = False
         return cls(functions, forced, parallel)
 
-    def structured_outputs(self, syntax: ToolSyntax) -> StructuredOutputs | None:
-        """The grammar that forces a call, when one is forced."""
+    def structured_outputs(self, syntax: ToolSyntax) -> StructuredOutputs:
+        """The grammar of the reply: calls only when one is forced; else (`auto`) any text,
+        but once the model begins a call (the format's opener), the rest of the reply is
+        calls whose names are the tools' and whose arguments match their schemas."""
         if self.forced is None:
-            return None
+            return StructuredOutputs(
+                grammar=syntax.format.auto_grammar(self.functions, self.parallel, syntax.tokens)
+            )
         return StructuredOutputs(grammar=syntax.format.call_grammar(self.forced, self.parallel))
 
     def for_template(self, syntax: ToolSyntax) -> list[dict[str, Any]] | None:

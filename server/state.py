@@ -33,6 +33,7 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
     history: StatsHistory = field(init=False)
+    _tool_syntax: ToolSyntax | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.engine_stats, self.loaded_model_name)
@@ -67,7 +68,11 @@ class ServerState:
     def tool_syntax(self) -> ToolSyntax:
         """How the served model writes tool calls (the `tool_call_parser` setting)."""
         assert self.llm is not None
-        return ToolSyntax.of(self.config.tool_call_parser, self.llm.chat_template)
+        if self._tool_syntax is None:
+            self._tool_syntax = ToolSyntax.of(
+                self.config.tool_call_parser, self.llm.chat_template, _text_tokens(self.llm)
+            )
+        return self._tool_syntax
 
     @property
     def model_name(self) -> str:
@@ -85,6 +90,15 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
+
+
+def _text_tokens(llm: AsyncLLM) -> frozenset[str]:
+    """The tokenizer's added tokens that decoding keeps as text (Qwen's `<tool_call>`):
+    the grammar engine counts them as special tokens. None for an engine without a
+    Hugging Face tokenizer (the tests' fakes)."""
+    tokenizer = getattr(getattr(llm, "engine", None), "tokenizer", None)
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return frozenset(token.content for token in added.values() if not token.special)
 
 
 def server_state(request: Request) -> ServerState:

@@ -1,11 +1,12 @@
 """Tool-call formats: how a model writes function calls, and how to read them back.
 
 A format is chosen per server (`tool_call_parser`; `auto` reads the chat template) and
-does four things: render the tools into the prompt when the chat template itself ignores
+does five things: render the tools into the prompt when the chat template itself ignores
 them, render an earlier assistant call back into text for such a template, give the Lark
 grammar (llguidance's dialect, with `%json` for arguments) that forces a call when the
-request's `tool_choice` is `required` or names a function, and parse calls out of the
-model's text, also while it streams.
+request's `tool_choice` is `required` or names a function, give the grammar of `auto`
+(free text, but a call once begun is held to the tools' schemas), and parse calls out of
+the model's text, also while it streams.
 
 - `hermes` (Hermes, Qwen 2.5/3 and many others): `<tool_call>\\n{"name": ..., "arguments":
   {...}}\\n</tool_call>`, one block per call, after optional text.
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +54,7 @@ class ToolCallFormat(ABC):
 
     name = ""
     arguments_key = "arguments"
+    markers: tuple[str, ...] = ()  # the format's fixed strings, which may be tokens
 
     @abstractmethod
     def instructions(self, functions: list[Function]) -> str:
@@ -64,6 +67,19 @@ class ToolCallFormat(ABC):
     @abstractmethod
     def call_grammar(self, functions: list[Function], parallel: bool) -> str:
         """A Lark grammar of one call (several if `parallel`) of one of `functions`."""
+
+    @abstractmethod
+    def auto_grammar(
+        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+    ) -> str:
+        """A Lark grammar of `tool_choice: auto`: any text, or calls of `functions` (one
+        only unless `parallel`) whose arguments match their schemas. Nothing is constrained
+        until the format's opener is written; from there on the rest of the reply is calls.
+
+        `tokens` are the format's markers (`<tool_call>`...) that the tokenizer holds as
+        tokens of their own which decode as text (Qwen's): the grammar engine counts every
+        such added token as special, which no text lexeme matches, so the grammar allows
+        each marker spelt either way."""
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -111,6 +127,7 @@ class ToolCallFormat(ABC):
 class HermesFormat(ToolCallFormat):
     name = "hermes"
     _OPEN, _CLOSE = "<tool_call>", "</tool_call>"
+    markers = (_OPEN, _CLOSE)
     _BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 
     def instructions(self, functions: list[Function]) -> str:
@@ -132,6 +149,37 @@ class HermesFormat(ToolCallFormat):
         call = f'"{self._OPEN}\\n" call_object "\\n{self._CLOSE}"'
         start = 'call ("\\n" call)*' if parallel else "call"
         return f"start: {start}\ncall: {call}\n{self._call_rules(functions)}"
+
+    def auto_grammar(
+        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+    ) -> str:
+        # `opener` is a lazy lexeme: the shortest text that ends in `<tool_call>`, so it
+        # ends at the first opener the model writes, and from there only a call of one of
+        # `functions` continues; the other branch, TEXT alone, cannot hold an opener then.
+        # Until the opener nothing is constrained: TEXT is any bytes (valid UTF-8 or not,
+        # a token spelling part of a character included), and these also match special
+        # tokens. Where `<tool_call>` is a token of its own, that would let the token pass
+        # as text, so TEXT is then valid text only (no special token but EOS: the price of
+        # the guarantee there), which the token ends.
+        opener, close = self._marker(self._OPEN, tokens), self._marker(self._CLOSE, tokens)
+        openers, token_opener = "opener", ""
+        text = "/(?s:.*)/ | ~/(?s:.*)/"
+        if self._OPEN in tokens:
+            openers, token_opener = "(opener | opener_token)", f"opener_token: TEXT {self._OPEN}\n"
+            text = "/(?s:.*)/"
+        more = f' ("\\n" {opener} "\\n" call_object "\\n" {close})*' if parallel else ""
+        return (
+            "%llguidance {}\n"
+            f'start: TEXT | {openers} "\\n" call_object "\\n" {close}{more}\n'
+            f"TEXT: {text}\n"
+            f'opener[lazy]: TEXT "{self._OPEN}"\n'
+            f"{token_opener}{self._call_rules(functions)}"
+        )
+
+    @staticmethod
+    def _marker(text: str, tokens: Collection[str]) -> str:
+        """`text` as a Lark literal, or also as the token of that name if it is one."""
+        return f"({json.dumps(text)} | {text})" if text in tokens else json.dumps(text)
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         start = self.calls_start(text)
@@ -181,6 +229,24 @@ class Llama3JsonFormat(ToolCallFormat):
     def call_grammar(self, functions: list[Function], parallel: bool) -> str:
         start = 'call_object ("; " call_object)*' if parallel else "call_object"
         return f"start: {start}\n{self._call_rules(functions)}"
+
+    def auto_grammar(
+        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+    ) -> str:
+        # This format has no opener in text: a reply is calls when it opens with `{` (after
+        # whitespace), as `parse` reads it. So the choice is made at the first character:
+        # text that opens otherwise is free, one that opens with `{` is calls.
+        # `<|python_tag|>` is a special token where Llama 3 has it: no text lexeme can
+        # write it, so under this grammar calls are the bare JSON that Llama 3.1-3.3 write
+        # for custom tools.
+        more = ' ("; " call_object)*' if parallel else ""
+        return (
+            "%llguidance {}\n"
+            f"start: TEXT | LEAD call_object{more}\n"
+            "TEXT: /\\s*([^{\\s](.|\\n)*)?/\n"
+            "LEAD: /\\s*/\n"
+            f"{self._call_rules(functions)}"
+        )
 
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
         start = self.calls_start(text)
