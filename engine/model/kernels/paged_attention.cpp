@@ -56,7 +56,9 @@
 // Parallelism. Work items (a decode row, or a tile of a prefill chunk) go to OpenMP
 // threads (torch's pool and thread count) with dynamic scheduling, because context
 // lengths differ and a static split of a batch ordered by age would give one thread all
-// the long sequences. A row is computed by one thread from start to end.
+// the long sequences. A row's query heads of one KV head are computed by one thread from
+// start to end; where a step has fewer items than threads (one sequence decoding), an
+// item's KV heads are split among them.
 //
 // Vectors. The inner loops use GCC/Clang vector extensions: a `Vec` is one register of
 // fp32 lanes under -march=native, 16 with AVX-512 and 8 without (see kLanes). head_dim is a
@@ -435,13 +437,52 @@ void check_inputs(const int64_t* tables, const int64_t* starts, const int64_t* l
   }
 }
 
-// Consecutive query rows of one sequence, computed by one thread.
+// Fewer work items than this a thread are split by KV heads (see work_items).
+constexpr int64_t kItemsPerThread = 4;
+
+// Consecutive query rows of one sequence, for the KV heads [kv_first, kv_end) and their
+// query heads, computed by one thread.
 struct WorkItem {
   int64_t seq;
   int64_t first_row;  // index into q
   int64_t rows;
   int64_t first_position;  // of the first row
+  int64_t kv_first;
+  int64_t kv_end;
 };
+
+// The step's work items: a decode row or a tile of kRowTile rows of a prefill chunk, for
+// all KV heads; where that gives fewer than kItemsPerThread items a thread (a decode step
+// of one or two sequences, a compiled batch-1 step's padding row among them), each item
+// is split into ranges of KV heads, which changes no bits (the query heads of one KV head
+// never meet the others').
+std::vector<WorkItem> work_items(const int64_t* starts, const int64_t* lens, int64_t batch,
+                                 int64_t num_kv_heads, int64_t threads) {
+  std::vector<WorkItem> items;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t first_position = lens[b] - (starts[b + 1] - starts[b]);
+    for (int64_t row = starts[b]; row < starts[b + 1]; row += kRowTile) {
+      const int64_t rows = std::min(kRowTile, starts[b + 1] - row);
+      items.push_back({b, row, rows, first_position + row - starts[b], 0, num_kv_heads});
+    }
+  }
+  const int64_t count = static_cast<int64_t>(items.size());
+  const int64_t wanted = kItemsPerThread * threads;
+  if (count == 0 || count >= wanted || num_kv_heads == 1) {
+    return items;
+  }
+  const int64_t parts = std::min(num_kv_heads, (wanted + count - 1) / count);
+  std::vector<WorkItem> split;
+  for (const WorkItem& item : items) {
+    for (int64_t part = 0; part < parts; ++part) {
+      WorkItem piece = item;
+      piece.kv_first = num_kv_heads * part / parts;
+      piece.kv_end = num_kv_heads * (part + 1) / parts;
+      split.push_back(piece);
+    }
+  }
+  return split;
+}
 
 // The optional features (see the header), at their neutral values when off.
 struct Features {
@@ -483,14 +524,8 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
   check_inputs(tables, starts, lens, batch, num_rows, max_blocks, block_size, k_cache.size(0),
                window);
 
-  std::vector<WorkItem> items;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t first_position = lens[b] - (starts[b + 1] - starts[b]);
-    for (int64_t row = starts[b]; row < starts[b + 1]; row += kRowTile) {
-      const int64_t rows = std::min(kRowTile, starts[b + 1] - row);
-      items.push_back({b, row, rows, first_position + row - starts[b]});
-    }
-  }
+  const std::vector<WorkItem> items =
+      work_items(starts, lens, batch, num_kv_heads, at::get_num_threads());
   const int64_t num_items = static_cast<int64_t>(items.size());
   const int num_threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), num_items));
 #pragma omp parallel num_threads(num_threads)
@@ -515,8 +550,10 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
         return (kv * rows + r) * group + g;
       };
       std::fill(acc.begin(), acc.begin() + rows * num_heads * kHeadDim, 0.0f);
+      const int64_t first_head = item.kv_first * group;
+      const int64_t end_head = item.kv_end * group;
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t h = 0; h < num_heads; ++h) {
+        for (int64_t h = first_head; h < end_head; ++h) {
           const int64_t v = vector(h / group, r, h % group);
           // A sink is a logit already summed: exp(sinks[h] - m) = 1 under m = sinks[h].
           states[v] = sinks == nullptr ? HeadState{kNegInf, 0.0f, &acc[v * kHeadDim]}
@@ -554,7 +591,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
           end_active = std::min(rows, start + block_size - 1 + window - item.first_position);
           full_end = std::clamp(start + window - item.first_position, first_full, end_active);
         }
-        const int64_t active_vectors = (end_active - first_active) * num_heads;
+        const int64_t active_vectors = (end_active - first_active) * (end_head - first_head);
         int64_t done = 0;  // vectors of this block computed so far, for the prefetch shares
         const auto attend = [&](int64_t kv, int64_t first, int64_t count, int64_t skip,
                                 int64_t tile) {
@@ -580,7 +617,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
           const int64_t tile = std::min(position + 1 - start, block_size);
           attend(kv, vector(kv, r, 0), group, skip, tile);
         };
-        for (int64_t kv = 0; kv < num_kv_heads; ++kv) {
+        for (int64_t kv = item.kv_first; kv < item.kv_end; ++kv) {
           for (int64_t r = first_active; r < first_full; ++r) {
             attend_row(kv, r);
           }
@@ -594,7 +631,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       }
 
       for (int64_t r = 0; r < rows; ++r) {
-        for (int64_t h = 0; h < num_heads; ++h) {
+        for (int64_t h = first_head; h < end_head; ++h) {
           const HeadState& state = states[vector(h / group, r, h % group)];
           const float inv_sum = 1.0f / state.sum;
           scalar_t* out_row = out_data + ((item.first_row + r) * num_heads + h) * kHeadDim;
