@@ -26,6 +26,7 @@ from pydantic import (
 )
 
 from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
+from engine.sampling.params import RequestLimits
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +98,31 @@ class EngineConfig(BaseModel):
         description="JSON object of sampling defaults over generation_config's, e.g. "
         "'{\"temperature\": 0.5}'; keys: " + ", ".join(GENERATION_CONFIG_KEYS),
     )
+
+    # Bounds on what one request may carry where its size multiplies per-step work
+    # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
+    # the field and the setting.
+    max_stop_sequences: int = Field(
+        64, gt=0, description="stop strings a request may give; default: 64"
+    )
+    max_stop_length: int = Field(
+        1000, gt=0, description="characters in one stop string; default: 1000"
+    )
+    max_stop_token_ids: int = Field(
+        1024, gt=0, description="stop_token_ids a request may give; default: 1024"
+    )
+    max_logit_bias_entries: int = Field(
+        1024, gt=0, description="logit_bias entries a request may give; default: 1024"
+    )
+
+    def request_limits(self) -> RequestLimits:
+        """The bounds requests are checked against (`SamplingParams.limits`)."""
+        return RequestLimits(
+            max_stop_sequences=self.max_stop_sequences,
+            max_stop_length=self.max_stop_length,
+            max_stop_token_ids=self.max_stop_token_ids,
+            max_logit_bias_entries=self.max_logit_bias_entries,
+        )
 
     @field_validator("generation_config")
     @classmethod

@@ -67,10 +67,19 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     aliases = {"logprobs": "top_logprobs", **body.error_aliases()}
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
+    if body.tools and len(body.tools) > state.config.max_tools:
+        raise invalid_request(
+            f"tools must hold at most {state.config.max_tools} functions (the server's "
+            f"max_tools setting), got {len(body.tools)}",
+            "tools",
+        )
     syntax, tools = state.tool_syntax(), ChatTools.of(body)
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
-            max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            defaults=llm.default_sampling,
+            limits=state.config.request_limits(),
         )
         # The grammar of the tools' calls, unless the request constrains the reply itself
         # (only in `auto` mode: structured outputs cannot come with a forced call).

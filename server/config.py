@@ -59,6 +59,13 @@ class ServeConfig(EngineConfig):
         "may shorten it with X-Request-Timeout; default: none",
     )
 
+    max_tools: int = Field(
+        128,
+        gt=0,
+        description="tools a chat request may offer (each is a part of the "
+        "grammar of its calls); default: 128",
+    )
+
     @field_validator("api_key", mode="before")
     @classmethod
     def _empty_key_is_no_key(cls, value: object) -> object:

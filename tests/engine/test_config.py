@@ -69,3 +69,25 @@ def test_a_part_of_the_settings_warns_of_the_rest(caplog: pytest.LogCaptureFixtu
     )
     assert config == EngineConfig()
     assert "PAGEDSERVE_PORT" in caplog.text
+
+
+LIMITS = ("max_stop_sequences", "max_stop_length", "max_stop_token_ids", "max_logit_bias_entries")
+
+
+@pytest.mark.parametrize("key", LIMITS)
+@pytest.mark.parametrize("value", ["0", "-5", "many", "1.5"])
+def test_a_bad_request_limit_stops_loading_naming_it(key: str, value: str) -> None:
+    with pytest.raises(ConfigError, match=f"invalid setting '{key}'"):
+        load_config(EngineConfig, environ={f"PAGEDSERVE_{key.upper()}": value})
+
+
+def test_request_limits_come_from_the_settings(tmp_path: Path) -> None:
+    defaults = EngineConfig().request_limits()
+    assert (defaults.max_stop_sequences, defaults.max_stop_length) == (64, 1000)
+    assert (defaults.max_stop_token_ids, defaults.max_logit_bias_entries) == (1024, 1024)
+    path = tmp_path / "c.yaml"
+    path.write_text("max_stop_sequences: 200\nmax_stop_length: 5000\n")
+    env = {"PAGEDSERVE_MAX_STOP_TOKEN_IDS": "4096", "PAGEDSERVE_MAX_LOGIT_BIAS_ENTRIES": "8"}
+    limits = load_config(EngineConfig, path, environ=env).request_limits()
+    assert (limits.max_stop_sequences, limits.max_stop_length) == (200, 5000)
+    assert (limits.max_stop_token_ids, limits.max_logit_bias_entries) == (4096, 8)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
 
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import DEFAULT_LIMITS, RequestLimits, SamplingParams
 
 
 def test_defaults_are_valid_and_random() -> None:
@@ -106,3 +107,35 @@ def test_boundary_values_are_accepted(kwargs: dict) -> None:
 def test_invalid_values_raise_naming_the_parameter(name: str, kwargs: dict) -> None:
     with pytest.raises(ValueError, match=rf"^{name} must"):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("field", "setting", "past_default", "at_default"),
+    [
+        ("stop", "max_stop_sequences", dict(stop=["s"] * 65), dict(stop=["s"] * 64)),
+        ("stop", "max_stop_length", dict(stop=["x" * 1001]), dict(stop=["x" * 1000])),
+        ("stop_token_ids", "max_stop_token_ids", dict(stop_token_ids=[1] * 1025), None),
+        ("logit_bias", "max_logit_bias_entries", dict(logit_bias=dict.fromkeys(range(1025), 1)),
+         dict(logit_bias=dict.fromkeys(range(1024), 1))),
+    ],
+)  # fmt: skip
+def test_each_count_limit_is_a_setting_named_in_its_error(
+    field: str, setting: str, past_default: dict, at_default: dict | None
+) -> None:
+    if at_default is not None:
+        SamplingParams(**at_default)
+    with pytest.raises(ValueError, match=rf"^{field} must hold at most .*{setting}") as error:
+        SamplingParams(**past_default)
+    assert str(getattr(DEFAULT_LIMITS, setting)) in str(error.value)
+    raised = dataclasses.replace(DEFAULT_LIMITS, **{setting: 2000})
+    SamplingParams(**past_default, limits=raised)  # a raised setting accepts more
+    lowered = dataclasses.replace(DEFAULT_LIMITS, **{setting: 1})
+    with pytest.raises(ValueError, match=f"at most 1 .*{setting}"):
+        SamplingParams(**past_default, limits=lowered)
+
+
+def test_limits_survive_replace_and_do_not_change_equality() -> None:
+    raised = RequestLimits(max_stop_sequences=100)
+    params = SamplingParams(stop=["s"] * 80, limits=raised)
+    assert dataclasses.replace(params, temperature=0.5).limits is raised
+    assert SamplingParams(stop=["s"]) == SamplingParams(stop=["s"], limits=raised)

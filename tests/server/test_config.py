@@ -60,6 +60,8 @@ def test_engine_config_keeps_the_engine_settings() -> None:
         ({"block_size": "-1"}, "block_size"),
         ({"port": "99999"}, "port"),
         ({"dtype": "int3"}, "dtype"),
+        ({"max_tools": "0"}, "max_tools"),
+        ({"max_stop_sequences": "lots"}, "max_stop_sequences"),
     ],
 )
 def test_invalid_settings_raise_config_error_naming_them(overrides: dict, named: str) -> None:
