@@ -36,8 +36,8 @@ file given with `--config`, the `PAGEDSERVE_<KEY>` environment variable, and the
 command-line flag (see [Configuration](configuration.md)). Unknown keys, unknown
 `PAGEDSERVE_*` variables (other than {non_settings}) and invalid values stop start-up
 with one line naming the setting. `pagedserve serve --help` prints the same list. A
-setting whose description cell is empty has none in the code; [Configuration](configuration.md)
-says what it does.
+setting whose description cell is empty has no description in the code yet;
+[Configuration](configuration.md) covers most of them.
 
 """
 
