@@ -9,6 +9,10 @@ PORT ?= 8000
 CONFIG ?= configs/default.yaml
 # `make bench`: extra bench.run_all flags; LLAMA_SERVER=BINARY adds llama.cpp's server
 BENCH_ARGS ?=
+# Where `make test` and `make lint` build the documentation site (build/ is git-ignored)
+BUILD_SITE ?= build/site
+# the docs build: mkdocs.yml, docs/; --strict fails on any warning (a broken link or anchor)
+DOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet --site-dir $(BUILD_SITE)
 
 .PHONY: setup setup-test serve test lint bench clean
 
@@ -36,12 +40,14 @@ serve: setup
 test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(DOCS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	$(DOCS)
 
 bench: setup-test
 	$(BIN)/python -m bench.run_all $(BENCH_ARGS)
