@@ -46,17 +46,39 @@ class EngineConfig(BaseModel):
 
     # 'default', a local folder, a .gguf file or a hub id
     model: str = Field("default", min_length=1)
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    block_size: int = Field(16, gt=0, le=1024)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="compute dtype; auto: bf16 where the device computes it fast (CUDA "
+        "that supports it, CPUs with AVX512-BF16 or AMX-BF16), else fp16 on CUDA, fp32 on "
+        "the CPU",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="auto: CUDA where present, else the CPU"
+    )
+    block_size: int = Field(16, gt=0, le=1024, description="tokens per KV-cache block")
     max_model_len: int | None = Field(None, gt=0, description="default: the model's, at most 8192")
-    max_num_seqs: int = Field(128, gt=0)
-    max_num_batched_tokens: int = Field(1024, gt=0)
-    memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_num_seqs: int = Field(128, gt=0, description="sequences in one step's batch, at most")
+    max_num_batched_tokens: int = Field(
+        1024, gt=0, description="tokens in one step (decode rows plus prefill chunks), at most"
+    )
+    memory_utilization: float = Field(
+        0.9,
+        gt=0,
+        le=1,
+        description="share of memory the KV cache may take: of a GPU's total less the "
+        "model's peak use; of the CPU's available memory, at most 2 GiB unless "
+        "kv_cache_memory is set",
+    )
     kv_cache_memory: ByteSize | None = Field(None, gt=0, description="e.g. '2GiB'; caps profiling")
-    watermark: float = Field(0.01, ge=0, lt=1)
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    watermark: float = Field(
+        0.01, ge=0, lt=1, description="share of the KV blocks a new request must leave free"
+    )
+    enable_prefix_caching: bool = Field(
+        True, description="reuse the KV blocks of prompt prefixes seen before"
+    )
+    enable_chunked_prefill: bool = Field(
+        True, description="split long prompts into chunks that share steps with decodes"
+    )
     # Attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
     # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.
     # 'triton' is the Triton kernels (CUDA; not yet run on a GPU in this project, so 'auto'
@@ -77,7 +99,7 @@ class EngineConfig(BaseModel):
     # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF in its own
     # type: a GGUF whose linears are 4-bit (Q4_1, the default model's) runs int4, 5- to
     # 8-bit runs int8, anything else (and any device or dtype the kernel does not take)
-    # stays unquantized. See the README's "Quantization".
+    # stays unquantized. See docs/quantization.md.
     quantization: Literal["auto", "none", "int8", "int4"] = "auto"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;

@@ -33,15 +33,17 @@ LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 class ServeConfig(EngineConfig):
     """EngineConfig plus the HTTP settings; frozen and closed to unknown keys like its base."""
 
-    host: str = Field("127.0.0.1", min_length=1)
-    port: int = Field(8000, ge=0, le=65535)
+    host: str = Field("127.0.0.1", min_length=1, description="the address to listen on")
+    port: int = Field(8000, ge=0, le=65535, description="the port to listen on")
     api_key: SecretStr | None = Field(
         None, description="require 'Authorization: Bearer KEY' on /v1 (env PAGEDSERVE_API_KEY)"
     )
     served_model_name: str | None = Field(
         None, min_length=1, description="the name clients use; default: the model's name"
     )
-    log_level: Literal["critical", "error", "warning", "info", "debug"] = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
+        "info", description="the server log's level"
+    )
     # How the model writes tool calls (server/tools.py); auto reads the chat template.
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
     # Overload and deadlines (server/admission.py).
