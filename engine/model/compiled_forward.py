@@ -71,6 +71,7 @@ from engine.first_use import build_once
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.decode_graphs import PADDING_ROW
 from engine.model.kernels.cpp_extension import cpu_flags
+from engine.model.linear_groups import GroupSharedInputs
 from engine.model.model_forward import model_logits
 from engine.model.opaque_linear import OpaqueLinear
 from engine.model.step_inputs import StepInputs
@@ -196,6 +197,8 @@ class CompiledForward:
                 "guard_filter_fn": torch.compiler.keep_tensor_guards_unsafe,
                 # The graph's wrapper in C++ too (see the docstring).
                 "cpp_wrapper": True,
+                # Quantized linears that share an input run as one call.
+                "post_grad_custom_pre_pass": GroupSharedInputs(),
             },
         )
         # Floats (norm epsilons, scales) as constants: tensorifying them would make

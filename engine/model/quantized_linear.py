@@ -166,6 +166,7 @@ def _load_op():
     extension = group_linear.EXTENSION.load()
     if not _op_loaded:
         torch.library.register_fake("pagedserve::quantized_linear")(_fake_quantized_linear)
+        torch.library.register_fake("pagedserve::quantized_linear_group")(_fake_group)
         extension.set_dense_fallback(opaque_linear)
         _op_loaded = True
     return extension
@@ -173,6 +174,10 @@ def _load_op():
 
 def _fake_quantized_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(*x.shape[:-1], layer(handle).out_features)
+
+
+def _fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))
 
 
 @torch.inference_mode()

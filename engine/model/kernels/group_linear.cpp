@@ -540,14 +540,108 @@ void set_amx(bool enabled) { amx_enabled = enabled; }
 
 bool use_amx(int64_t m) { return m >= kAmxMinRows && amx_enabled && amx_available(); }
 
-torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
-                           const torch::Tensor& scales, const torch::Tensor& offsets,
-                           int64_t bits, int64_t n, const std::optional<torch::Tensor>& bias) {
+// One layer's share of a call: its packed weight, where its outputs go (columns of a
+// possibly wider output) and its output count.
+struct Part {
+  Weights w;
+  Output out;
+  int64_t n;
+  int64_t tiles() const { return (n + kTile - 1) / kTile; }
+};
+
+// Every part's output tiles for the m quantized rows `q`, in one parallel loop over the
+// parts' tiles side by side. Each output element is computed alone, in the fixed order of
+// the header, whatever the parts, the task split or the instruction set.
+void run_parts(const std::vector<Part>& parts, const QuantizedRows& q, int64_t m) {
+  std::vector<int64_t> first_tile{0};  // of each part, in the loop's index; then the total
+  for (const Part& part : parts) first_tile.push_back(first_tile.back() + part.tiles());
+  const auto part_of = [&](int64_t tile) {
+    return static_cast<size_t>(
+        std::upper_bound(first_tile.begin(), first_tile.end(), tile) - first_tile.begin() - 1);
+  };
+  const int64_t k = parts.front().w.k;
+  // Rows in blocks of 16 run on AMX where it is on and the call has enough rows; the rest
+  // (and every row without AMX) in runs of up to 4 on VNNI or the scalar code.
+  const int64_t amx_rows = use_amx(m) ? m / 16 * 16 : 0;
+  // Tasks of about kGrainBytes of codes per run of 4 rows.
+  const int64_t runs = (m + kRowRun - 1) / kRowRun;
+  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (parts.front().w.tile_bytes() * runs));
+  at::parallel_for(0, first_tile.back(), grain, [&](int64_t begin, int64_t end) {
+#ifdef PAGEDSERVE_AMX
+    std::unique_ptr<uint8_t[], void (*)(void*)> unpacked(nullptr, std::free);
+    if (amx_rows > 0) {
+      configure_tiles();  // per task: other code on this thread (oneDNN) may configure its own
+      unpacked.reset(static_cast<uint8_t*>(std::aligned_alloc(64, k / kGroup * kGroupBytes)));
+    }
+    // Chunks of rows over the task's tiles, so that a chunk's codes stay in the cache.
+    for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxChunkRows) {
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const Part& part = parts[part_of(tile)];
+        const int64_t t = tile - first_tile[part_of(tile)];
+        const int64_t valid = std::min(kTile, part.n - t * kTile);
+        const uint8_t* b = part.w.codes + t * part.w.tile_bytes();
+        if (part.w.bits == 4) {
+          unpack_nibbles(b, k, unpacked.get());
+          b = unpacked.get();
+        }
+        for (int64_t r = r0; r < std::min(r0 + kAmxChunkRows, amx_rows); r += kAmxRows) {
+          tile_rows_amx(part.w, t, b, q, r, part.out, valid);
+        }
+      }
+    }
+#endif
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const Part& part = parts[part_of(tile)];
+      const int64_t t = tile - first_tile[part_of(tile)];
+      const int64_t valid = std::min(kTile, part.n - t * kTile);
+      for (int64_t r = amx_rows; r < m; r += kRowRun) {
+        const int64_t rows = std::min(kRowRun, m - r);
+        if (part.w.bits == 8) {
+          tile_run<8>(part.w, t, q, r, rows, part.out, valid);
+        } else {
+          tile_run<4>(part.w, t, q, r, rows, part.out, valid);
+        }
+      }
+    }
+#ifdef PAGEDSERVE_AMX
+    if (amx_rows > 0) _tile_release();
+#endif
+  });
+}
+
+// The checks every call's input passes; returns whether x is bf16.
+bool check_rows(const torch::Tensor& x) {
   TORCH_CHECK(x.dim() == 2, "group_linear takes x [M, K]");
-  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "group_linear runs on the CPU");
+  TORCH_CHECK(x.device().is_cpu(), "group_linear runs on the CPU");
   const bool bf16 = x.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(bf16 || x.scalar_type() == torch::kFloat32,
               "group_linear takes float32 or bfloat16 rows, not ", x.scalar_type());
+  TORCH_CHECK(x.size(1) % kGroup == 0, "group_linear needs K a multiple of 32, not ", x.size(1));
+  return bf16;
+}
+
+QuantizedRows quantize(const torch::Tensor& x, bool bf16) {
+  return bf16 ? quantize_rows(x.data_ptr<at::BFloat16>(), x.size(0), x.size(1))
+              : quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
+}
+
+// A layer's part of a call whose output `y` [M, stride] holds its columns from `column`;
+// `bias32` is the fp32 bias (or undefined), kept alive by the caller.
+Part part_of_call(const torch::Tensor& codes, const torch::Tensor& scales,
+                  const torch::Tensor& offsets, int64_t bits, int64_t k, int64_t n,
+                  const torch::Tensor& bias32, torch::Tensor& y, int64_t column, bool bf16) {
+  char* data = static_cast<char*>(y.data_ptr()) + column * y.element_size();
+  return Part{Weights{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
+                      offsets.data_ptr<at::Half>(), k, bits},
+              Output{data, bf16, y.size(1), bias32.defined() ? bias32.data_ptr<float>() : nullptr},
+              n};
+}
+
+torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
+                           const torch::Tensor& scales, const torch::Tensor& offsets,
+                           int64_t bits, int64_t n, const std::optional<torch::Tensor>& bias) {
+  const bool bf16 = check_rows(x);
+  TORCH_CHECK(codes.device().is_cpu(), "group_linear runs on the CPU");
   TORCH_CHECK(bits == 8 || bits == 4, "group_linear takes 8- or 4-bit codes");
   TORCH_CHECK(codes.scalar_type() == torch::kUInt8 && codes.is_contiguous(),
               "codes must be contiguous uint8");
@@ -557,7 +651,6 @@ torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
   const int64_t m = x.size(0);
   const int64_t k = x.size(1);
   const int64_t tiles = (n + kTile - 1) / kTile;
-  TORCH_CHECK(k % kGroup == 0, "group_linear needs K a multiple of 32, not ", k);
   TORCH_CHECK(codes.numel() == tiles * kTile * k * bits / 8 &&
                   scales.numel() == tiles * (k / kGroup) * kTile &&
                   offsets.numel() == scales.numel(),
@@ -568,59 +661,9 @@ torch::Tensor group_linear(const torch::Tensor& x, const torch::Tensor& codes,
     bias32 = bias->to(torch::kFloat32).contiguous();
   }
   const torch::Tensor xc = x.contiguous();
-  const QuantizedRows q = bf16 ? quantize_rows(xc.data_ptr<at::BFloat16>(), m, k)
-                               : quantize_rows(xc.data_ptr<float>(), m, k);
+  const QuantizedRows q = quantize(xc, bf16);
   torch::Tensor y = torch::empty({m, n}, x.options());
-  const Output out{y.data_ptr(), bf16, n, bias.has_value() ? bias32.data_ptr<float>() : nullptr};
-  const Weights w{codes.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(),
-                  offsets.data_ptr<at::Half>(), k, bits};
-  // Rows in blocks of 16 run on AMX where it is on and the call has enough rows; the rest
-  // (and every row without AMX) in runs of up to 4 on VNNI or the scalar code.
-  const int64_t amx_rows = use_amx(m) ? m / 16 * 16 : 0;
-  // Tasks of about kGrainBytes of codes per run of 4 rows.
-  const int64_t runs = (m + kRowRun - 1) / kRowRun;
-  const int64_t grain = std::max<int64_t>(1, kGrainBytes / (w.tile_bytes() * runs));
-  at::parallel_for(0, tiles, grain, [&](int64_t begin, int64_t end) {
-#ifdef PAGEDSERVE_AMX
-    std::unique_ptr<uint8_t[], void (*)(void*)> unpacked(nullptr, std::free);
-    if (amx_rows > 0) {
-      configure_tiles();  // per task: other code on this thread (oneDNN) may configure its own
-      if (bits == 4) {
-        unpacked.reset(static_cast<uint8_t*>(std::aligned_alloc(64, k / kGroup * kGroupBytes)));
-      }
-    }
-#endif
-#ifdef PAGEDSERVE_AMX
-    // Chunks of rows over the task's tiles, so that a chunk's codes stay in the cache.
-    for (int64_t r0 = 0; r0 < amx_rows; r0 += kAmxChunkRows) {
-      for (int64_t t = begin; t < end; ++t) {
-        const int64_t valid = std::min(kTile, n - t * kTile);
-        const uint8_t* b = w.codes + t * w.tile_bytes();
-        if (bits == 4) {
-          unpack_nibbles(b, k, unpacked.get());
-          b = unpacked.get();
-        }
-        for (int64_t r = r0; r < std::min(r0 + kAmxChunkRows, amx_rows); r += kAmxRows) {
-          tile_rows_amx(w, t, b, q, r, out, valid);
-        }
-      }
-    }
-#endif
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(kTile, n - t * kTile);
-      for (int64_t r = amx_rows; r < m; r += kRowRun) {
-        const int64_t rows = std::min(kRowRun, m - r);
-        if (bits == 8) {
-          tile_run<8>(w, t, q, r, rows, out, valid);
-        } else {
-          tile_run<4>(w, t, q, r, rows, out, valid);
-        }
-      }
-    }
-#ifdef PAGEDSERVE_AMX
-    if (amx_rows > 0) _tile_release();
-#endif
-  });
+  run_parts({part_of_call(codes, scales, offsets, bits, k, n, bias32, y, 0, bf16)}, q, m);
   return y;
 }
 
@@ -679,6 +722,56 @@ torch::Tensor quantized_linear(const torch::Tensor& x, int64_t handle) {
   return y.view(shape);
 }
 
+// The layers `handles` over one x, as one call: x quantized once and every layer's tiles
+// in one parallel loop; returns [..., sum of their out_features], their outputs side by
+// side in the order given (linear_groups.py slices them apart). Where a layer has a row
+// threshold below the call's rows, each layer runs as `quantized_linear` and the results
+// are concatenated.
+torch::Tensor quantized_linear_group(const torch::Tensor& x, std::vector<int64_t> handles) {
+  TORCH_CHECK(!handles.empty(), "quantized_linear_group: no layers");
+  std::vector<Layer> layers;
+  {
+    const std::lock_guard<std::mutex> lock(registry_mutex);
+    for (const int64_t handle : handles) {
+      const auto found = registry.find(handle);
+      TORCH_CHECK(found != registry.end(), "quantized_linear_group: no layer ", handle);
+      layers.push_back(found->second);
+    }
+  }
+  const int64_t k = layers.front().in_features;
+  const int64_t rows = x.numel() / k;
+  int64_t total = 0;
+  bool thresholds = false;
+  for (const Layer& layer : layers) {
+    TORCH_CHECK(layer.in_features == k, "quantized_linear_group: layers of different inputs");
+    total += layer.out_features;
+    thresholds = thresholds || (layer.kernel_rows >= 0 && rows > layer.kernel_rows);
+  }
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = total;
+  if (thresholds) {
+    std::vector<torch::Tensor> outputs;
+    for (const int64_t handle : handles) outputs.push_back(quantized_linear(x, handle));
+    return torch::cat(outputs, -1);
+  }
+  const torch::Tensor xc = x.reshape({rows, k}).contiguous();
+  const bool bf16 = check_rows(xc);
+  const QuantizedRows q = quantize(xc, bf16);
+  torch::Tensor y = torch::empty({rows, total}, x.options());
+  std::vector<torch::Tensor> biases;  // fp32, alive until the parts have run
+  std::vector<Part> parts;
+  int64_t column = 0;
+  for (const Layer& layer : layers) {
+    biases.push_back(layer.bias.has_value() ? layer.bias->to(torch::kFloat32).contiguous()
+                                            : torch::Tensor());
+    parts.push_back(part_of_call(layer.codes, layer.scales, layer.offsets, layer.bits, k,
+                                 layer.out_features, biases.back(), y, column, bf16));
+    column += layer.out_features;
+  }
+  run_parts(parts, q, rows);
+  return y.view(shape);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -706,9 +799,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #ifndef PAGEDSERVE_SCALAR_TWIN
 TORCH_LIBRARY_FRAGMENT(pagedserve, m) {
   m.def("quantized_linear(Tensor x, int handle) -> Tensor");
+  m.def("quantized_linear_group(Tensor x, int[] handles) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pagedserve, CPU, m) {
   m.impl("quantized_linear", &quantized_linear);
+  m.impl("quantized_linear_group", &quantized_linear_group);
 }
 #endif
