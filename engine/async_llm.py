@@ -29,7 +29,13 @@ from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
-from engine.request.intake import EngineRequest, Message, Prompt, RequestProcessor
+from engine.request.intake import (
+    EngineRequest,
+    Message,
+    Prompt,
+    RequestProcessor,
+    SpecialTokens,
+)
 from engine.sampling.params import SamplingParams
 from engine.snapshot import EngineSnapshot, EngineStats
 
@@ -128,7 +134,10 @@ class AsyncLLM:
             engine.vocab_size,
             engine.max_model_len,
             engine.grammars,
+            engine.processor.limits,
         )
+        # The ids grammars match only as tokens (Qwen's <tool_call> and <think> among them).
+        self.special_tokens = SpecialTokens.of(engine.tokenizer, engine.vocab_size)
         self._intake = ThreadPoolExecutor(
             1, thread_name_prefix="pagedserve-intake", initializer=_yield_the_cpu
         )

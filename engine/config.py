@@ -138,7 +138,7 @@ class EngineConfig(BaseModel):
     )
 
     def request_limits(self) -> RequestLimits:
-        """The bounds requests are checked against (`SamplingParams.limits`)."""
+        """The bounds requests are checked against (`RequestLimits.check`, at intake)."""
         return RequestLimits(
             max_stop_sequences=self.max_stop_sequences,
             max_stop_length=self.max_stop_length,

@@ -134,7 +134,11 @@ class LLMEngine:
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.processor = RequestProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len, self.grammars
+            self.tokenizer,
+            self.vocab_size,
+            self.max_model_len,
+            self.grammars,
+            config.request_limits(),
         )
         self._token_texts = TokenTexts(self.tokenizer)
         self._requests: dict[str, RequestState] = {}

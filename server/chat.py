@@ -76,10 +76,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     syntax, tools = state.tool_syntax(), ChatTools.of(body)
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
-            max_tokens=max_tokens,
-            logprobs=logprobs,
-            defaults=llm.default_sampling,
-            limits=state.config.request_limits(),
+            max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
         )
         # The grammar of the tools' calls, unless the request constrains the reply itself
         # (only in `auto` mode: structured outputs cannot come with a forced call).

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Collection
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from engine.sampling.params import StructuredOutputs
 from server.protocol import (
@@ -28,24 +28,31 @@ from server.protocol import (
 from server.tools import Function, ParsedToolCall, ToolCallFormat, choose_format
 from server.tools import template_takes_tools as takes_tools
 
+if TYPE_CHECKING:
+    from engine.request.intake import SpecialTokens
+
 
 @dataclass(frozen=True, slots=True)
 class ToolSyntax:
     """How this server's model reads and writes tool calls. `tokens` are the format's
-    markers that the tokenizer holds as tokens of their own that decode as text."""
+    markers that the tokenizer holds as tokens of their own that decode as text, with
+    their ids; `special_ids` every id the grammar engine counts as a special token."""
 
     format: ToolCallFormat
     template_takes_tools: bool
-    tokens: frozenset[str] = frozenset()
+    tokens: Mapping[str, int] = field(default_factory=dict)
+    special_ids: frozenset[int] = frozenset()
 
     @classmethod
     def of(
-        cls, setting: str, chat_template: str | None, text_tokens: Collection[str] = ()
+        cls, setting: str, chat_template: str | None, special: SpecialTokens | None = None
     ) -> ToolSyntax:
-        """`text_tokens`: the tokenizer's added tokens that decoding keeps as text."""
+        """`special`: the model's special tokens (`AsyncLLM.special_tokens`), if known."""
         tool_format = choose_format(setting, chat_template)
-        markers = frozenset(tool_format.markers) & frozenset(text_tokens)
-        return cls(tool_format, takes_tools(chat_template), markers)
+        if special is None:
+            return cls(tool_format, takes_tools(chat_template))
+        tokens = {m: special.text[m] for m in tool_format.markers if m in special.text}
+        return cls(tool_format, takes_tools(chat_template), tokens, special.ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +90,9 @@ class ChatTools:
         calls whose names are the tools' and whose arguments match their schemas."""
         if self.forced is None:
             return StructuredOutputs(
-                grammar=syntax.format.auto_grammar(self.functions, self.parallel, syntax.tokens)
+                grammar=syntax.format.auto_grammar(
+                    self.functions, self.parallel, syntax.tokens, syntax.special_ids
+                )
             )
         return StructuredOutputs(grammar=syntax.format.call_grammar(self.forced, self.parallel))
 

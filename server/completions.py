@@ -46,10 +46,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS, aliases=body.error_aliases()):
         params = body.sampling_params(
-            max_tokens=body.max_tokens,
-            logprobs=body.logprobs,
-            defaults=llm.default_sampling,
-            limits=state.config.request_limits(),
+            max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=llm.default_sampling
         )
         prompts = [await llm.process(prompt, params) for prompt in body.prompt]
     if body.echo:

@@ -27,7 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
 from engine.sampling.defaults import with_defaults
-from engine.sampling.params import DEFAULT_LIMITS, RequestLimits, SamplingParams, StructuredOutputs
+from engine.sampling.params import SamplingParams, StructuredOutputs
 
 # Request fields that carry over to SamplingParams under the same name.
 _SAMPLING_FIELDS = (
@@ -299,12 +299,7 @@ class SamplingRequest(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self,
-        *,
-        max_tokens: int | None,
-        logprobs: int | None,
-        defaults: Mapping[str, Any],
-        limits: RequestLimits = DEFAULT_LIMITS,
+        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
     ) -> SamplingParams:
         """The request as `SamplingParams`: its own values (`max_tokens`: its limit, None if
         it set none) win; a field it left out or sent as null takes the server's default
@@ -319,7 +314,7 @@ class SamplingRequest(_Body):
         structured = self.structured_outputs_spec()
         if structured is not None:
             values["structured_outputs"] = structured
-        return SamplingParams(logprobs=logprobs, limits=limits, **values)
+        return SamplingParams(logprobs=logprobs, **values)
 
 
 class CompletionRequest(SamplingRequest):

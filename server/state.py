@@ -70,7 +70,7 @@ class ServerState:
         assert self.llm is not None
         if self._tool_syntax is None:
             self._tool_syntax = ToolSyntax.of(
-                self.config.tool_call_parser, self.llm.chat_template, _text_tokens(self.llm)
+                self.config.tool_call_parser, self.llm.chat_template, self.llm.special_tokens
             )
         return self._tool_syntax
 
@@ -90,15 +90,6 @@ class ServerState:
                 param="model",
                 code="model_not_found",
             )
-
-
-def _text_tokens(llm: AsyncLLM) -> frozenset[str]:
-    """The tokenizer's added tokens that decoding keeps as text (Qwen's `<tool_call>`):
-    the grammar engine counts them as special tokens. None for an engine without a
-    Hugging Face tokenizer (the tests' fakes)."""
-    tokenizer = getattr(getattr(llm, "engine", None), "tokenizer", None)
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return frozenset(token.content for token in added.values() if not token.special)
 
 
 def server_state(request: Request) -> ServerState:

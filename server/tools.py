@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,16 +70,21 @@ class ToolCallFormat(ABC):
 
     @abstractmethod
     def auto_grammar(
-        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+        self,
+        functions: list[Function],
+        parallel: bool,
+        tokens: Mapping[str, int] | None = None,
+        special_ids: Collection[int] = (),
     ) -> str:
         """A Lark grammar of `tool_choice: auto`: any text, or calls of `functions` (one
         only unless `parallel`) whose arguments match their schemas. Nothing is constrained
         until the format's opener is written; from there on the rest of the reply is calls.
 
         `tokens` are the format's markers (`<tool_call>`...) that the tokenizer holds as
-        tokens of their own which decode as text (Qwen's): the grammar engine counts every
-        such added token as special, which no text lexeme matches, so the grammar allows
-        each marker spelt either way."""
+        tokens of their own which decode as text (Qwen's), with their ids; `special_ids`
+        every id the grammar engine counts as a special token (engine/request/intake.py:
+        `SpecialTokens`), which no text lexeme matches. The grammar allows each marker
+        spelt either way, and before a call every other special token too."""
 
     @abstractmethod
     def parse(self, text: str) -> tuple[str | None, list[ParsedToolCall]]:
@@ -151,33 +156,53 @@ class HermesFormat(ToolCallFormat):
         return f"start: {start}\ncall: {call}\n{self._call_rules(functions)}"
 
     def auto_grammar(
-        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+        self,
+        functions: list[Function],
+        parallel: bool,
+        tokens: Mapping[str, int] | None = None,
+        special_ids: Collection[int] = (),
     ) -> str:
         # `opener` is a lazy lexeme: the shortest text that ends in `<tool_call>`, so it
         # ends at the first opener the model writes, and from there only a call of one of
-        # `functions` continues; the other branch, TEXT alone, cannot hold an opener then.
-        # Until the opener nothing is constrained: TEXT is any bytes (valid UTF-8 or not,
-        # a token spelling part of a character included), and these also match special
-        # tokens. Where `<tool_call>` is a token of its own, that would let the token pass
-        # as text, so TEXT is then valid text only (no special token but EOS: the price of
-        # the guarantee there), which the token ends.
-        opener, close = self._marker(self._OPEN, tokens), self._marker(self._CLOSE, tokens)
-        openers, token_opener = "opener", ""
-        text = "/(?s:.*)/ | ~/(?s:.*)/"
-        if self._OPEN in tokens:
-            openers, token_opener = "(opener | opener_token)", f"opener_token: TEXT {self._OPEN}\n"
-            text = "/(?s:.*)/"
-        more = f' ("\\n" {opener} "\\n" call_object "\\n" {close})*' if parallel else ""
+        # `functions` continues; the other branch, free text alone, cannot hold an opener.
+        tokens = tokens or {}
+        close = self._marker(self._CLOSE, tokens)
+        more = ""
+        if parallel:
+            more = f' ("\\n" {self._marker(self._OPEN, tokens)} "\\n" call_object "\\n" {close})*'
+        calls = f'"\\n" call_object "\\n" {close}{more}'
+        if self._OPEN not in tokens:
+            # Nothing is constrained before the opener: TEXT is any bytes (valid UTF-8 or
+            # not, a token spelling part of a character included), and these also match
+            # the special tokens (`<think>`, `<|im_end|>`: 0xFF and the id, to the grammar
+            # engine).
+            return (
+                "%llguidance {}\n"
+                f"start: TEXT | opener {calls}\n"
+                "TEXT: /(?s:.*)/ | ~/(?s:.*)/\n"
+                f'opener[lazy]: TEXT "{self._OPEN}"\n'
+                f"{self._call_rules(functions)}"
+            )
+        # `<tool_call>` is a token of its own (Qwen's). Any-bytes text would match it too,
+        # and as text, so the token would open nothing: here TEXT is valid text, which
+        # ends where a special token begins, and each special token but the opener is
+        # allowed between pieces of text, so the free part is what the model would write
+        # without the grammar (but bytes that are no text); the opener token begins a
+        # call, as its spelling does.
+        others = _token_ranges(set(special_ids) - {tokens[self._OPEN]})
+        free, free_rule = ("free ", f"free: (TEXT? {others})*\n") if others else ("", "")
         return (
             "%llguidance {}\n"
-            f'start: TEXT | {openers} "\\n" call_object "\\n" {close}{more}\n'
-            f"TEXT: {text}\n"
-            f'opener[lazy]: TEXT "{self._OPEN}"\n'
-            f"{token_opener}{self._call_rules(functions)}"
+            f"start: {free}TEXT? | {free}opener {calls}\n"
+            f"{free_rule}"
+            "TEXT: /(?s:.+)/\n"
+            f"opener: opener_text | TEXT? {self._OPEN}\n"
+            f'opener_text[lazy]: /(?s:.*)/ "{self._OPEN}"\n'
+            f"{self._call_rules(functions)}"
         )
 
     @staticmethod
-    def _marker(text: str, tokens: Collection[str]) -> str:
+    def _marker(text: str, tokens: Mapping[str, int]) -> str:
         """`text` as a Lark literal, or also as the token of that name if it is one."""
         return f"({json.dumps(text)} | {text})" if text in tokens else json.dumps(text)
 
@@ -231,7 +256,11 @@ class Llama3JsonFormat(ToolCallFormat):
         return f"start: {start}\n{self._call_rules(functions)}"
 
     def auto_grammar(
-        self, functions: list[Function], parallel: bool, tokens: Collection[str] = ()
+        self,
+        functions: list[Function],
+        parallel: bool,
+        tokens: Mapping[str, int] | None = None,
+        special_ids: Collection[int] = (),
     ) -> str:
         # This format has no opener in text: a reply is calls when it opens with `{` (after
         # whitespace), as `parse` reads it. So the choice is made at the first character:
@@ -277,6 +306,19 @@ class Llama3JsonFormat(ToolCallFormat):
         if not stripped or self._TAG.startswith(stripped):
             return len(text)  # nothing but whitespace, or a tag still being written
         return 0
+
+
+def _token_ranges(token_ids: Collection[int]) -> str:
+    """A Lark token range of `token_ids` (`<[0-2,385-391]>`), or "" for none."""
+    spans: list[list[int]] = []
+    for token_id in sorted(token_ids):
+        if spans and spans[-1][1] == token_id - 1:
+            spans[-1][1] = token_id
+        else:
+            spans.append([token_id, token_id])
+    if not spans:
+        return ""
+    return "<[" + ",".join(f"{a}" if a == b else f"{a}-{b}" for a, b in spans) + "]>"
 
 
 def _arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:

@@ -9,13 +9,13 @@ thread of its own, off the event loop and off the engine thread.
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from jinja2 import TemplateError
 
-from engine.sampling.params import SamplingParams
+from engine.sampling.params import DEFAULT_LIMITS, RequestLimits, SamplingParams
 
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -51,12 +51,35 @@ class EngineRequest:
     grammar: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class SpecialTokens:
+    """The token ids a grammar can match only as tokens, never as text.
+
+    llguidance counts every added token of a Hugging Face tokenizer as special, also those
+    that decoding keeps as text (Qwen's `<tool_call>` and `<think>`), and every id past
+    the tokenizer's end (rows that pad the model's vocabulary): `ids` are all of these.
+    (So is a token whose bytes begin with 0xFF, llguidance's marker of special tokens:
+    the byte 0xFF itself, which is no text; it is left out.) `text` maps the added tokens
+    that decode as text to their ids.
+    """
+
+    ids: frozenset[int]
+    text: Mapping[str, int]
+
+    @classmethod
+    def of(cls, tokenizer: PreTrainedTokenizerBase, vocab_size: int) -> SpecialTokens:
+        added = {i: t for i, t in tokenizer.added_tokens_decoder.items() if i < vocab_size}
+        ids = frozenset(added) | frozenset(range(len(tokenizer), vocab_size))
+        return cls(ids, {token.content: i for i, token in added.items() if not token.special})
+
+
 class RequestProcessor:
     """Renders, tokenizes and validates prompts for one engine.
 
     Not thread-safe: it owns `tokenizer`, and a Hugging Face fast tokenizer keeps mutable
     truncation and padding state, so a processor used on another thread than the engine's
-    gets a tokenizer of its own.
+    gets a tokenizer of its own. `limits` are the engine's settings that every request's
+    params are checked against (`EngineConfig.request_limits()`).
     """
 
     def __init__(
@@ -65,11 +88,13 @@ class RequestProcessor:
         vocab_size: int,
         max_model_len: int,
         grammars: GrammarCompiler | None = None,
+        limits: RequestLimits = DEFAULT_LIMITS,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
+        self.limits = limits
 
     def from_prompt(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Raises ValueError, with the numbers, for a prompt the engine can never serve."""
@@ -131,6 +156,7 @@ class RequestProcessor:
     def _checked(
         self, token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> EngineRequest:
+        self.limits.check(params)
         if not token_ids:
             raise ValueError("the prompt is empty")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:

@@ -16,15 +16,40 @@ class RequestLimits:
     """Bounds on what multiplies per-step work: every stop string is searched for in every
     sample's new text at every step, and every logit_bias entry and stop token id is
     applied or checked at every step. Each is the engine setting of the same name
-    (engine/config.py), so a server whose users need more can allow more."""
+    (engine/config.py), so an engine whose users need more can allow more: the engine's
+    request intake checks every request against its own (engine/request/intake.py), the
+    offline `LLM`'s and the server's alike."""
 
     max_stop_sequences: int = 64
     max_stop_length: int = 1000  # characters
     max_stop_token_ids: int = 1024
     max_logit_bias_entries: int = 1024
 
+    def check(self, params: SamplingParams) -> None:
+        """Raises ValueError, naming the field and the setting, where `params` go past one."""
+        counts = {
+            "max_stop_sequences": ("stop", len(params.stop)),
+            "max_stop_length": ("stop", max(map(len, params.stop), default=0)),
+            "max_stop_token_ids": ("stop_token_ids", len(params.stop_token_ids)),
+            "max_logit_bias_entries": ("logit_bias", len(params.logit_bias)),
+        }
+        for setting, (name, count) in counts.items():
+            limit = getattr(self, setting)
+            if count > limit:
+                raise ValueError(
+                    f"{name} must hold at most {limit} {_UNITS[setting]} (the {setting} "
+                    f"setting), got {count}"
+                )
+
 
 DEFAULT_LIMITS = RequestLimits()
+# What each limit counts, in its error.
+_UNITS = {
+    "max_stop_sequences": "strings",
+    "max_stop_length": "characters in a string",
+    "max_stop_token_ids": "ids",
+    "max_logit_bias_entries": "entries",
+}
 # A seed seeds a torch generator, which takes 64 bits (negative ones as two's complement).
 SEED_RANGE = (-(2**63), 2**64 - 1)
 # Below this a temperature is treated as greedy: dividing logits by it would overflow
@@ -99,8 +124,6 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
-    # The bounds the fields above are checked against: the server's settings.
-    limits: RequestLimits = field(default=DEFAULT_LIMITS, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
@@ -120,23 +143,13 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.seed is not None:
             _check_int("seed", self.seed, low=SEED_RANGE[0], high=SEED_RANGE[1])
-        limits = self.limits
         self.stop = _normalise_stop(self.stop)
-        _check_count("stop", len(self.stop), limits, "max_stop_sequences", "strings")
-        longest = max(map(len, self.stop), default=0)
-        _check_count("stop", longest, limits, "max_stop_length", "characters in a string")
         self.stop_token_ids = list(self.stop_token_ids)
-        _check_count(
-            "stop_token_ids", len(self.stop_token_ids), limits, "max_stop_token_ids", "ids"
-        )
         for token_id in self.stop_token_ids:
             _check_int("stop_token_ids", token_id, low=0)
         if not isinstance(self.logit_bias, dict):
             raise ValueError(f"logit_bias must map token ids to biases, got {self.logit_bias!r}")
         self.logit_bias = dict(self.logit_bias)
-        _check_count(
-            "logit_bias", len(self.logit_bias), limits, "max_logit_bias_entries", "entries"
-        )
         for token_id, bias in self.logit_bias.items():
             _check_int("logit_bias token id", token_id, low=0)
             _check_float("logit_bias value", bias, low=-MAX_LOGIT_BIAS, high=MAX_LOGIT_BIAS)
@@ -186,14 +199,6 @@ def _check_range(name: str, value: float, low: float | None, high: float | None)
         raise ValueError(f"{name} must be >= {low}, got {value}")
     if high is not None and value > high:
         raise ValueError(f"{name} must be <= {high}, got {value}")
-
-
-def _check_count(name: str, count: int, limits: RequestLimits, setting: str, unit: str) -> None:
-    limit = getattr(limits, setting)
-    if count > limit:
-        raise ValueError(
-            f"{name} must hold at most {limit} {unit} (the server's {setting} setting), got {count}"
-        )
 
 
 def _normalise_stop(stop: object) -> list[str]:

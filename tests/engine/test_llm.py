@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -187,3 +188,22 @@ def test_engine_outputs_carry_only_what_each_step_added(llm: LLM):
     whole = llm.generate("Paged attention", params, use_tqdm=False)[0].outputs[0]
     assert [t for o in sample_outputs for t in o.token_ids] == whole.token_ids
     assert "".join(o.text for o in sample_outputs) == whole.text
+
+
+def test_request_limits_are_the_engines_settings(tiny_model_paths: dict[str, Path], llm: LLM):
+    """`LLM(max_stop_sequences=...)` bounds its own requests, as the server's setting bounds
+    the server's: a lowered setting refuses what the default allows, a raised one accepts
+    what the default refuses."""
+    stops = [f"never{i}" for i in range(80)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, stop=stops)
+    with pytest.raises(ValueError, match=r"^stop must hold at most 64 .*max_stop_sequences"):
+        llm.generate("a", params, use_tqdm=False)
+    model = str(tiny_model_paths["llama"])
+    raised = LLM(model, dtype="float32", kv_cache_memory="16MiB", max_stop_sequences=100)
+    [output] = raised.generate("a", params, use_tqdm=False)
+    assert len(output.outputs[0].token_ids) == 3
+    lowered = LLM(model, dtype="float32", kv_cache_memory="16MiB", max_stop_sequences=2)
+    with pytest.raises(ValueError, match=r"^stop must hold at most 2 .*max_stop_sequences"):
+        lowered.generate("a", dataclasses.replace(params, stop=stops[:3]), use_tqdm=False)
+    assert not lowered.engine.has_unfinished_requests()
+    lowered.generate("a", dataclasses.replace(params, stop=stops[:2]), use_tqdm=False)

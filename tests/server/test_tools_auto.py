@@ -24,8 +24,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine import LLM, SamplingParams
+from engine.request.intake import SpecialTokens
 from engine.sampling.params import StructuredOutputs
-from server.chat_tools import ChatTools
+from server.chat_tools import ChatTools, ToolSyntax
 from server.protocol import ChatCompletionRequest
 from server.tools import HermesFormat, Llama3JsonFormat
 from tests.server.conftest import client, live_server, tiny_config
@@ -118,22 +119,20 @@ def test_auto_is_the_grammar_of_a_chat_request_with_tools() -> None:
     )
     tools = ChatTools.of(body)
     assert tools is not None and tools.forced is None and tools.parallel
-    from server.chat_tools import ToolSyntax
-
     spec = tools.structured_outputs(ToolSyntax(HERMES, template_takes_tools=False))
     assert spec.grammar == HERMES.auto_grammar(tools.functions, True)
 
 
-OPENER, CLOSER = "<tool_call>", "</tool_call>"
+OPENER, CLOSER, THINK, THOUGHT = "<tool_call>", "</tool_call>", "<think>", "</think>"
 
 
 @pytest.fixture(scope="module")
 def opener_model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
-    """The tiny Llama, with `<tool_call>` and `</tool_call>` tokens of its vocabulary that
-    decode as text, as in Qwen's; and the opener's id."""
+    """The tiny Llama, with `<tool_call>`, `</tool_call>`, `<think>` and `</think>` tokens
+    of its vocabulary that decode as text, as in Qwen3's; and the opener's id."""
     folder = build_model(tmp_path_factory.mktemp("tiny-opener"), "llama")
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_tokens([OPENER, CLOSER])
+    tokenizer.add_tokens([OPENER, CLOSER, THINK, THOUGHT])
     model = AutoModelForCausalLM.from_pretrained(folder)
     model.resize_token_embeddings(len(tokenizer))
     model.save_pretrained(folder)
@@ -218,14 +217,23 @@ def test_before_a_call_the_grammar_changes_nothing(tiny_model_paths: dict[str, P
         assert held.outputs[0].token_ids == free.outputs[0].token_ids, prompt
 
 
+def token_grammar(folder: Path, parallel: bool) -> tuple[Any, llguidance.LLTokenizer, str]:
+    """The tokenizer in `folder`, llguidance's view of it, and the auto grammar of
+    `FUNCTIONS` as the server builds it for that tokenizer (`AsyncLLM.special_tokens`)."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    syntax = ToolSyntax.of("hermes", None, SpecialTokens.of(tokenizer, len(tokenizer)))
+    assert dict(syntax.tokens) == {m: tokenizer.convert_tokens_to_ids(m) for m in HERMES.markers}
+    text = HERMES.auto_grammar(FUNCTIONS, parallel, syntax.tokens, syntax.special_ids)
+    auto = llguidance.grammar_from("lark", text)
+    assert llguidance.LLMatcher.validate_grammar(auto, ll_tokenizer) == ""
+    return tokenizer, ll_tokenizer, auto
+
+
 def test_an_opener_token_begins_a_call(opener_model: tuple[Path, int]) -> None:
     """Where `<tool_call>` is a token (Qwen's), that token opens the call as its spelling
     does, and `</tool_call>` may close it either way."""
-    tokenizer = AutoTokenizer.from_pretrained(opener_model[0])
-    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
-    markers = {OPENER, CLOSER}
-    auto = llguidance.grammar_from("lark", HERMES.auto_grammar(FUNCTIONS, False, markers))
-    assert llguidance.LLMatcher.validate_grammar(auto, ll_tokenizer) == ""
+    tokenizer, ll_tokenizer, auto = token_grammar(opener_model[0], False)
     opener, closer = (tokenizer.convert_tokens_to_ids(t) for t in (OPENER, CLOSER))
     body = tokenizer.encode("\n" + json.dumps({"name": "refill", "arguments": A_REFILL}) + "\n")
     spelt = tokenizer.encode("</") + tokenizer.encode("tool_call>")
@@ -237,3 +245,95 @@ def test_an_opener_token_begins_a_call(opener_model: tuple[Path, int]) -> None:
     matcher = llguidance.LLMatcher(ll_tokenizer, auto, log_level=0)
     assert matcher.consume_token(opener)
     assert not matcher.consume_token(tokenizer.encode("Sure")[0])  # a call must follow
+
+
+def test_special_tokens_are_those_of_the_grammar_engine(opener_model: tuple[Path, int]) -> None:
+    """Every added token (also those that decode as text) and every id past the tokenizer
+    (a padded vocabulary) is a special token to llguidance, which no text lexeme matches;
+    so is the byte 0xFF (the marker of special tokens there), which is no text either."""
+    tokenizer = AutoTokenizer.from_pretrained(opener_model[0])
+    vocab_size = len(tokenizer) + 5
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size)
+    special = SpecialTokens.of(tokenizer, vocab_size)
+    assert set(range(len(tokenizer), vocab_size)) < special.ids
+    engine_special = {i for i in range(vocab_size) if ll_tokenizer.is_special_token(i)}
+    assert special.ids <= engine_special
+    [byte_ff] = engine_special - special.ids
+    assert tokenizer.convert_ids_to_tokens(byte_ff) == "ÿ"  # byte-level BPE's 0xFF
+    names = (OPENER, CLOSER, THINK, THOUGHT)
+    assert special.text == {name: tokenizer.convert_tokens_to_ids(name) for name in names}
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_a_call_after_thinking_validates(opener_model: tuple[Path, int], parallel: bool) -> None:
+    """Before a call every special token passes (Qwen3 thinks in `<think>...</think>`;
+    `<|endoftext|>` and `<|im_start|>` too), and the call that follows is held to the
+    tools' schemas, opened by the token or by its spelling."""
+    tokenizer, ll_tokenizer, auto = token_grammar(opener_model[0], parallel)
+    ids = {name: tokenizer.convert_tokens_to_ids(name) for name in (OPENER, CLOSER, THINK, THOUGHT)}
+    others = [tokenizer.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>")]
+    thinking = [ids[THINK], *tokenizer.encode("Paint first."), *others, ids[THOUGHT]]
+    thinking += tokenizer.encode("\nSure. ")
+
+    def body(name: str, arguments: dict[str, Any]) -> list[int]:
+        return tokenizer.encode("\n" + json.dumps({"name": name, "arguments": arguments}) + "\n")
+
+    spelt = tokenizer.encode("<") + tokenizer.encode("tool_call>")
+    assert ids[OPENER] not in spelt
+    for opener in ([ids[OPENER]], spelt):
+        matcher = llguidance.LLMatcher(ll_tokenizer, auto, log_level=0)
+        call = [*opener, *body("refill", A_REFILL), ids[CLOSER]]
+        assert all(matcher.consume_token(t) for t in thinking + call), matcher.get_error()
+        assert matcher.is_accepting()
+        for name, arguments in BAD_CALLS:
+            matcher = llguidance.LLMatcher(ll_tokenizer, auto, log_level=0)
+            tokens = [*thinking, *opener, *body(name, arguments), ids[CLOSER]]
+            assert not all(matcher.consume_token(t) for t in tokens), (name, arguments)
+        matcher = llguidance.LLMatcher(ll_tokenizer, auto, log_level=0)
+        assert all(matcher.consume_token(t) for t in thinking + opener)
+        assert not matcher.consume_token(ids[THINK])  # a call must follow
+        assert not matcher.consume_token(tokenizer.encode("Sure")[0])
+
+
+def test_before_a_call_special_tokens_pass_as_without_the_grammar(
+    opener_api: openai.OpenAI, opener_model: tuple[Path, int]
+) -> None:
+    """The server's auto grammar on a model whose `<tool_call>` is a token: with a bias
+    that makes the model think first (`<think>`, then text and more of them), the greedy
+    reply is the reply to the same prompt without tools, hence without a grammar. Bytes
+    that are no text are the one thing refused before such a call (the random model
+    writes them; real ones hardly), so the bias keeps the model from them in both."""
+    tokenizer = AutoTokenizer.from_pretrained(opener_model[0])
+    ll_tokenizer = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer))
+    no_text = [i for i in range(len(tokenizer)) if not _is_text(ll_tokenizer.decode_bytes([i]))]
+    think = tokenizer.convert_tokens_to_ids(THINK)
+    described = [{"role": "system", "content": HERMES.instructions([PAINT, REFILL])}, *ASK]
+
+    def reply(bias: float, **tools: Any) -> Any:
+        logit_bias = {**dict.fromkeys(map(str, no_text), -100), str(think): bias}
+        return opener_api.chat.completions.create(
+            model="tiny", messages=tools.pop("messages", ASK), max_tokens=40, temperature=0,
+            logit_bias=logit_bias, **tools,
+        )  # fmt: skip
+
+    # The least bias at which the model writes <think> first and then text as well.
+    for bias in (0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0):
+        free = reply(bias, messages=described)
+        text = free.choices[0].message.content or ""
+        if text.startswith(THINK) and text.replace(THINK, "").strip():
+            break
+    else:
+        pytest.fail("no bias makes the model think first and then write text")
+    held = reply(bias, tools=TOOLS)
+    assert held.usage.prompt_tokens == free.usage.prompt_tokens  # the same prompt
+    choice = held.choices[0]
+    assert choice.message.tool_calls is None
+    assert (choice.message.content, choice.finish_reason) == (text, free.choices[0].finish_reason)
+
+
+def _is_text(data: bytes) -> bool:
+    try:
+        data.decode()
+    except UnicodeDecodeError:
+        return False
+    return True
