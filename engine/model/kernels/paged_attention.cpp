@@ -437,6 +437,33 @@ void check_inputs(const int64_t* tables, const int64_t* starts, const int64_t* l
   }
 }
 
+// A thread's buffers for the kernel, kept between calls (a decode step calls it once per
+// layer): the scaled query rows, the accumulator rows, the online-softmax states and one
+// tile of scores per vector of a run. Grown where a call needs more, never shrunk; the
+// kernel writes each part before it reads it.
+struct Scratch {
+  std::vector<Pair> q_rows;
+  std::vector<float> acc;
+  std::vector<HeadState> states;
+  std::vector<float> scores;
+
+  // Room for `vectors` query vectors of `head_dim` values and a scores tile of `tile`.
+  void reserve(int64_t vectors, int64_t head_dim, int64_t tile) {
+    const auto grow = [](auto& buffer, int64_t size) {
+      if (static_cast<int64_t>(buffer.size()) < size) buffer.resize(size);
+    };
+    grow(q_rows, vectors * head_dim / kPairLanes);
+    grow(acc, vectors * head_dim);
+    grow(states, vectors);
+    grow(scores, tile);
+  }
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
 // Fewer work items than this a thread are split by KV heads (see work_items).
 constexpr int64_t kItemsPerThread = 4;
 
@@ -535,10 +562,12 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
     // rows, the online-softmax states with their accumulator rows, and one tile of
     // scores per vector of a run.
     const int64_t vectors = kRowTile * num_heads;
-    std::vector<Pair> q_rows(vectors * kPairs);
-    std::vector<float> acc(vectors * kHeadDim);
-    std::vector<HeadState> states(vectors);
-    std::vector<float> scores(kMaxRun<scalar_t> * padded_tile);
+    Scratch& scratch = thread_scratch();
+    scratch.reserve(vectors, kHeadDim, kMaxRun<scalar_t> * padded_tile);
+    Pair* const q_rows = scratch.q_rows.data();
+    float* const acc = scratch.acc.data();
+    HeadState* const states = scratch.states.data();
+    float* const scores = scratch.scores.data();
 
 #pragma omp for schedule(dynamic)
     for (int64_t i = 0; i < num_items; ++i) {
@@ -549,7 +578,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
       const auto vector = [&](int64_t kv, int64_t r, int64_t g) {
         return (kv * rows + r) * group + g;
       };
-      std::fill(acc.begin(), acc.begin() + rows * num_heads * kHeadDim, 0.0f);
+      std::fill(acc, acc + rows * num_heads * kHeadDim, 0.0f);
       const int64_t first_head = item.kv_first * group;
       const int64_t end_head = item.kv_end * group;
       for (int64_t r = 0; r < rows; ++r) {
@@ -604,7 +633,7 @@ void paged_attention_impl(const torch::Tensor& q, const torch::Tensor& k_cache,
             }
             attend_run<scalar_t, kPairs, kMasked>(run, &q_rows[v * kPairs], k_data + kv_offset,
                                                   v_data + kv_offset, token_stride, skip, tile,
-                                                  padded_tile, scores.data(), &states[v],
+                                                  padded_tile, scores, &states[v],
                                                   softcap);
             v += run;
             done += run;
