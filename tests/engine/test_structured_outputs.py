@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import jsonschema
+import llguidance.hf
 import llguidance.numpy
 import numpy as np
 import pytest
@@ -152,3 +153,18 @@ def test_the_token_bitmask_is_applied_as_llguidances_reference(vocab: int, words
     apply_token_bitmask(got, bitmask)
     assert np.array_equal(got.numpy(), expected, equal_nan=True)
     assert torch.equal(torch.signbit(got), torch.signbit(torch.from_numpy(expected)))
+
+
+def test_the_grammar_engines_view_of_the_tokenizer_is_built_with_the_engine(
+    tiny_model_paths: dict[str, Path], monkeypatch
+) -> None:
+    # Built on the first structured request, it held the GIL for 0.3 s on the default
+    # model and froze every running stream (bench.first_structured).
+    fresh = LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="4MiB")
+    built = []
+    monkeypatch.setattr(llguidance.hf, "from_tokenizer", lambda *a, **k: built.append(a))
+    params = SamplingParams(
+        temperature=0, max_tokens=40, structured_outputs=StructuredOutputs(regex=REGEX)
+    )
+    [output] = fresh.generate(["The quick brown fox"], params, use_tqdm=False)
+    assert re.fullmatch(REGEX, output.outputs[0].text) and built == []
