@@ -56,6 +56,7 @@ COPY cache /build/cache
 COPY scheduler /build/scheduler
 COPY engine /build/engine
 COPY server /build/server
+COPY pagedserve /build/pagedserve
 COPY bench /build/bench
 RUN pip install --no-deps /build
 # The C++ kernels (paged attention, the group-quantized linear) are built with -march=native
@@ -88,7 +89,7 @@ torch; from engine.model.loader import convert_gguf, default_gguf_path, load_mod
 prebuilt_default_folder; gguf = default_gguf_path(); \
 shutil.move(convert_gguf(gguf), prebuilt_default_folder()); gguf.unlink(); \
 load_model('default', dtype=torch.float32, device=torch.device('cpu')); \
-import server.app, server.cli" \
+import server.app, pagedserve.cli" \
     && rm -rf /tmp/pagedserve-cache \
     && chmod -R a+rX /opt/pagedserve
 # The engine as the image serves it, built once here with the baked-in config: the

@@ -40,12 +40,14 @@ serve: setup
 test: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(DOCS)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 lint: setup-test
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
 	$(BIN)/mypy
 	$(DOCS)
 

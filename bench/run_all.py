@@ -79,7 +79,7 @@ def start_server(
 ) -> subprocess.Popen[bytes]:
     """`pagedserve serve` on 127.0.0.1:`port` (with `model` instead of the config's when
     given, then `flags`), returned once /health answers 200."""
-    command = [sys.executable, "-m", "server", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "pagedserve", "serve", "--config", str(config)]
     command += ["--host", "127.0.0.1", "--port", str(port)]
     command += [] if model is None else ["--model", model]
     command += flags

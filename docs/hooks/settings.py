@@ -2,7 +2,7 @@
 
 Every field of `server.config.ServeConfig` (the engine's `EngineConfig` plus the server's
 own) becomes one row: its YAML key, `PAGEDSERVE_*` variable and command-line flag (derived
-as `engine.config.load_config` and `server.cli` derive them), its type, its default, and
+as `engine.config.load_config` and `pagedserve.cli` derive them), its type, its default, and
 its description: the field's `description` (what `pagedserve serve --help` prints) followed
 by the comment block written right above the field in the class's source, where there is
 one. Nothing here is typed

@@ -218,7 +218,7 @@ def test_a_server_starts_on_a_cache_whose_model_was_truncated(
     cut, size = truncate(folder / "model.safetensors")
     port = free_port()
     command = [
-        *(sys.executable, "-m", "server", "serve", "--model", str(gguf), "--dtype", "float32"),
+        *(sys.executable, "-m", "pagedserve", "serve", "--model", str(gguf), "--dtype", "float32"),
         *("--device", "cpu", "--kv-cache-memory", "16MiB", "--port", str(port)),
         # Torch attention: the C++ kernel would be built into this empty cache first.
         *("--attention-backend", "torch"),

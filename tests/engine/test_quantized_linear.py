@@ -26,7 +26,7 @@ from engine.model.quantized_linear import (
     quantize_linear_layers,
     unavailable_reason,
 )
-from server.cli import build_parser
+from pagedserve.cli import build_parser
 from server.config import resolve_serve_config
 
 CPU = torch.device("cpu")

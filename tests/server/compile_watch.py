@@ -108,8 +108,8 @@ def main() -> None:
     _watch_dynamo()
     _watch_triton()
     record("watching", f"pid {os.getpid()}")
-    sys.argv = ["server", *sys.argv[1:]]
-    runpy.run_module("server", run_name="__main__", alter_sys=True)
+    sys.argv = ["pagedserve", *sys.argv[1:]]
+    runpy.run_module("pagedserve", run_name="__main__", alter_sys=True)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def serve_process(
     args: Sequence[str],
     log: Path | None,
     *,
-    module: str = "server",
+    module: str = "pagedserve",
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
 ) -> Iterator[str]:

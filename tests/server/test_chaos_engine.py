@@ -273,7 +273,7 @@ _SERVE_WITH_A_FAULT = textwrap.dedent(
         return schedule(self)
 
     Scheduler.schedule = broken
-    from server.cli import main
+    from pagedserve.cli import main
 
     raise SystemExit(main(sys.argv[2:]))
     """

@@ -1,4 +1,4 @@
-"""`python -m server serve`: one-line errors with exit code 2, and a real start."""
+"""`python -m pagedserve serve`: one-line errors with exit code 2, and a real start."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from bench.tables import free_port
-from server.cli import main
+from pagedserve.cli import main
 
-SERVE = [sys.executable, "-m", "server", "serve"]
+SERVE = [sys.executable, "-m", "pagedserve", "serve"]
 
 
 def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:

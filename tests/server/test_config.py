@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, EngineConfig, load_config
-from server.cli import build_parser
+from pagedserve.cli import build_parser
 from server.config import DEFAULT_PRESET, ServeConfig, resolve_serve_config
 
 REPO = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from server.cli import main
+from pagedserve.cli import main
 from tests.server.conftest import client, live_server, tiny_config
 
 # The served model's own generation config: greedy, and 3 tokens unless asked otherwise.

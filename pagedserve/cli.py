@@ -1,4 +1,5 @@
-"""`pagedserve serve`: the command line, generated from ServeConfig's fields.
+"""`pagedserve serve` and `pagedserve ray-serve`: the command line, generated from
+ServeConfig's fields.
 
 Every setting is a flag (`max_num_seqs` is `--max-num-seqs`, booleans also have a
 `--no-` form), so the flags cannot drift from the settings. Bad settings end the
