@@ -4,9 +4,9 @@
 end of sequence ignored) against a running server, and once they decode sends its first
 structured request: a chat completion whose `response_format` is a JSON schema (an enum,
 a nested object, a list), not streamed, once every stream has had `--warmup-chunks`
-chunks. It reports each stream's mean gap between chunks
-before the structured request, the longest gap that overlapped it and their ratio, and the
-structured request's own latency.
+chunks (`--plain`: the same request without the schema, for a baseline). It reports each
+stream's mean gap between chunks before the request, the longest gap that overlapped it
+and their ratio, and the request's own latency.
 
 Start the server fresh, so that this is its first constrained request, on an empty
 Inductor cache if you want to see a just-in-time compile (there should be none):
@@ -65,17 +65,18 @@ async def stream(
                 times.append(time.perf_counter())
 
 
-async def structured(client: httpx.AsyncClient, url: str, model: str) -> dict:
+async def structured(client: httpx.AsyncClient, url: str, model: str, plain: bool) -> dict:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "Describe Paris as JSON."}],
-        "response_format": {
-            "type": "json_schema",
-            "json_schema": {"name": "place", "schema": SCHEMA, "strict": True},
-        },
         "max_tokens": 96,
         "temperature": 0,
     }
+    if not plain:
+        body["response_format"] = {
+            "type": "json_schema",
+            "json_schema": {"name": "place", "schema": SCHEMA, "strict": True},
+        }
     response = await client.post(f"{url}/v1/chat/completions", json=body)
     response.raise_for_status()
     return response.json()
@@ -98,14 +99,15 @@ async def run(args: argparse.Namespace) -> list[list[str]]:
         while min(len(t) for t in times) < args.warmup_chunks:
             await asyncio.sleep(0.05)
         start = time.perf_counter()
-        reply = await structured(client, args.url, model)
+        reply = await structured(client, args.url, model, args.plain)
         end = time.perf_counter()
         await asyncio.sleep(args.after)
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
     content = reply["choices"][0]["message"]["content"]
-    json.loads(content)  # the reply must be the JSON the schema asks for
+    if not args.plain:
+        json.loads(content)  # the reply must be the JSON the schema asks for
     rows = []
     for index, stream_times in enumerate(times):
         intervals = gaps(stream_times)
@@ -134,6 +136,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--warmup-chunks", type=int, default=32, help="chunks every stream gets first"
     )
     parser.add_argument("--after", type=float, default=1.0, help="seconds of streams after")
+    parser.add_argument(
+        "--plain", action="store_true", help="the same chat request without a schema (a baseline)"
+    )
     return parser.parse_args(argv)
 
 
