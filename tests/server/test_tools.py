@@ -339,6 +339,15 @@ def api(tiny_model_paths: dict[str, Path]) -> Iterator[openai.OpenAI]:
         yield client(url)
 
 
+def calls_and_finish_reason(reply: Any, stream: bool) -> tuple[list[Any], str]:
+    """The tool calls and the finish reason of a one-choice reply, streamed or not."""
+    if stream:
+        chunks = [chunk for chunk in reply if chunk.choices]
+        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
+        return calls, chunks[-1].choices[0].finish_reason
+    return reply.choices[0].message.tool_calls or [], reply.choices[0].finish_reason
+
+
 def valid_call(name: str, arguments: str) -> None:
     """`arguments` validate against the schema the client sent, and parse as its model."""
     jsonschema.validate(json.loads(arguments), {"paint": PAINT, "refill": REFILL}[name].parameters)
@@ -359,12 +368,7 @@ def test_pydantic_schemas_in_forced_calls(
         model="tiny", messages=ASK_PAINT, tools=TOOLS, tool_choice=choice, max_tokens=300,
         temperature=0, parallel_tool_calls=False, stream=stream,
     )  # fmt: skip
-    if stream:
-        chunks = [chunk for chunk in reply if chunk.choices]
-        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
-        finish_reason = chunks[-1].choices[0].finish_reason
-    else:
-        calls, finish_reason = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+    calls, finish_reason = calls_and_finish_reason(reply, stream)
     assert finish_reason == "tool_calls"
     [call] = calls
     assert tool_choice == "required" or call.function.name == tool_choice

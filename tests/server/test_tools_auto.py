@@ -34,10 +34,12 @@ from tests.server.test_tools import (
     A_MOVE,
     A_PAINT,
     A_REFILL,
+    ASK_PAINT,
     MOVE,
     PAINT,
     REFILL,
     TOOLS,
+    calls_and_finish_reason,
     valid_call,
     walks,
 )
@@ -150,7 +152,7 @@ def opener_api(opener_model: tuple[Path, int]) -> Iterator[openai.OpenAI]:
         yield client(url)
 
 
-ASK = [{"role": "user", "content": "Paint a green circle, then refill the cyan ink."}]
+ASK = ASK_PAINT
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -163,12 +165,7 @@ def test_a_call_begun_in_auto_mode_validates(
         model="tiny", messages=ASK, tools=TOOLS, max_tokens=300, temperature=0,
         parallel_tool_calls=False, logit_bias={str(opener_model[1]): 100}, stream=stream,
     )  # fmt: skip
-    if stream:
-        chunks = [chunk for chunk in reply if chunk.choices]
-        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
-        finish_reason = chunks[-1].choices[0].finish_reason
-    else:
-        calls, finish_reason = reply.choices[0].message.tool_calls, reply.choices[0].finish_reason
+    calls, finish_reason = calls_and_finish_reason(reply, stream)
     assert finish_reason == "tool_calls"
     [call] = calls
     valid_call(call.function.name, call.function.arguments)
