@@ -99,7 +99,7 @@ import server.app, pagedserve.cli" \
 # less memory than kv_cache_memory needs compiles its own (about a minute) at first start.
 ARG CONFIG=configs/default.yaml
 COPY ${CONFIG} /build/config.yaml
-RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.config import EngineConfig, \
+RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.config import load_config; \
 from engine.llm_engine import LLMEngine; from server.config import ServeConfig; \
 config = load_config(ServeConfig, '/build/config.yaml', environ={}).engine_config(); \
 engine = LLMEngine(config); \

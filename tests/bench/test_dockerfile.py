@@ -141,6 +141,35 @@ def test_the_build_context_takes_a_wheel_from_wheels_and_leaves_the_rest_out() -
         assert not dockerignore_admits(left_out)
 
 
+def test_every_copied_path_is_in_the_build_context() -> None:
+    """A COPY of a path that .dockerignore leaves out fails the build (the CLI package
+    moved once without it)."""
+    for rest in arguments("COPY"):
+        if rest.startswith("--from="):
+            continue
+        words = [word for word in rest.split() if not word.startswith("--")]
+        for source in words[:-1]:
+            if "$" in source or "[" in source:
+                continue
+            assert (ROOT / source).exists(), source
+            assert dockerignore_admits(source), f"{source} is left out of the build context"
+
+
+def test_every_inline_python_program_compiles() -> None:
+    """The `python -c "..."` programs of RUN lines, as the shell hands them to Python
+    (continuation lines joined), are valid Python: a syntax error there shows only when
+    the image is built."""
+    programs = [
+        match
+        for keyword, rest in instructions()
+        if keyword == "RUN"
+        for match in re.findall(r'python3? -c "(.*?)"(?:[\s)]|$)', rest)
+    ]
+    assert len(programs) >= 4
+    for program in programs:
+        compile(program, "<a RUN line of the Dockerfile>", "exec")
+
+
 def test_every_stage_has_a_compiler_and_torchs_headers_for_the_compiled_forward() -> None:
     """The runtime loads the compiled forward, which Inductor checks with a test compile
     against torch's headers: the shared base stage installs g++, no stage deletes the
