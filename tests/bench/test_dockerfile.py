@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import httpx
@@ -34,9 +35,9 @@ START_TIMEOUT = 90.0
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
-def instructions() -> list[tuple[str, str]]:
+def instructions(dockerfile: str = "Dockerfile") -> list[tuple[str, str]]:
     """(INSTRUCTION, arguments) per logical line; continued lines joined as Docker does."""
-    text = re.sub(r"\\\n", "", (ROOT / "Dockerfile").read_text())
+    text = re.sub(r"\\\n", "", (ROOT / dockerfile).read_text())
     lines = [line.strip() for line in text.splitlines()]
     return [
         (keyword.upper(), rest.strip())
@@ -141,10 +142,18 @@ def test_the_build_context_takes_a_wheel_from_wheels_and_leaves_the_rest_out() -
         assert not dockerignore_admits(left_out)
 
 
-def test_every_copied_path_is_in_the_build_context() -> None:
-    """A COPY of a path that .dockerignore leaves out fails the build (the CLI package
-    moved once without it)."""
-    for rest in arguments("COPY"):
+@pytest.mark.parametrize(
+    ("dockerfile", "left_out"),
+    # The scale-out layer is in the Ray image only.
+    [("Dockerfile", {"scale_out"}), ("deploy/k8s/Dockerfile.ray", set())],
+)
+def test_every_copied_path_is_in_the_build_context(dockerfile: str, left_out: set[str]) -> None:
+    """A COPY of a path that .dockerignore leaves out fails the build, and every package
+    the project installs is copied (the CLI package moved once without either)."""
+    copied = set()
+    for keyword, rest in instructions(dockerfile):
+        if keyword != "COPY":
+            continue
         if rest.startswith("--from="):
             continue
         words = [word for word in rest.split() if not word.startswith("--")]
@@ -153,6 +162,10 @@ def test_every_copied_path_is_in_the_build_context() -> None:
                 continue
             assert (ROOT / source).exists(), source
             assert dockerignore_admits(source), f"{source} is left out of the build context"
+            copied.add(source)
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    installed = {name.rstrip("*") for name in packages["packages"]["find"]["include"]}
+    assert installed - left_out <= copied, f"{dockerfile} does not copy {installed - copied}"
 
 
 def test_every_inline_python_program_compiles() -> None:
