@@ -33,6 +33,7 @@ from engine.request.intake import (
     EngineRequest,
     Message,
     Prompt,
+    RenderedPrompt,
     RequestProcessor,
     SpecialTokens,
 )
@@ -176,6 +177,15 @@ class AsyncLLM:
     async def process(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Tokenize and validate a prompt on the intake thread; ValueError if invalid."""
         return await self._on_intake(self._processor.from_prompt, prompt, params)
+
+    async def process_rendered(
+        self, rendered: RenderedPrompt, params: SamplingParams
+    ) -> EngineRequest:
+        """Validate a prompt rendered ahead (`RenderedPrompt`) on the intake thread, without
+        rendering, tokenizing or hashing it again; ValueError if invalid."""
+        return await self._on_intake(
+            self._processor.from_rendered, rendered, params, self.engine.block_size
+        )
 
     async def process_chat(
         self,

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from cache import BlockManager, bytes_per_block, cdiv, profile_num_blocks
+from cache import BlockManager, bytes_per_block, cdiv, extend_block_hashes, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.model import quantized_linear
 from engine.model.attention import register_paged_attention
@@ -301,13 +301,22 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         state = RequestState.create(
             request_id, request, self.eos_token_ids, self.tokenizer, self._token_texts,
-            self.device, self.grammars,
+            self.device, self.grammars, self._prompt_hashes(request),
         )  # fmt: skip
         self._requests[request_id] = state
         self._prompt_tokens_total += len(request.prompt_token_ids) * request.params.n
         for sample in state.samples:
             self._samples[sample.seq.seq_id] = sample
             self.scheduler.add(sample.seq)
+
+    def _prompt_hashes(self, request: EngineRequest) -> tuple[int, ...]:
+        """The prompt's block hashes that its samples start from: those it came with, and
+        for n > 1 all of them, hashed once here rather than once per sample."""
+        if request.params.n == 1 or not self.config.enable_prefix_caching:
+            return request.block_hashes
+        hashes = list(request.block_hashes)
+        extend_block_hashes(hashes, request.prompt_token_ids, self.block_size)
+        return tuple(hashes)
 
     def abort_request(self, request_id: str) -> None:
         """Finish every sample of the request with "abort" and free its blocks now."""

@@ -2,9 +2,12 @@
 through the replica's ASGI app as if a client had sent it.
 
 The ingress reads the body before it forwards anything, so a forwarded request is a plain
-value (method, path, headers, body) that Ray pickles to the replica, plus the block hashes
-the router routes by. The replica answers with the app's ASGI messages, one at a time, so
-a server-sent-events stream stays a stream through the ingress.
+value (method, path, headers, body) that Ray pickles to the replica, plus the prompt the
+ingress rendered from it: its token ids, which the replica's app takes instead of
+rendering and tokenizing the prompt again, and its block hashes, which the router routes
+by and the replica's prefix cache starts from. The replica answers with the app's ASGI
+messages, one at a time, so a server-sent-events stream stays a stream through the
+ingress.
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 
 from starlette.types import ASGIApp, Message, Scope
+
+from engine.request.intake import RenderedPrompt
+from server.rendered_prompt import RENDERED_PROMPT
 
 logger = logging.getLogger(__name__)
 
@@ -29,9 +35,9 @@ class ForwardedRequest:
     """An HTTP request as the ingress received it.
 
     `headers` are ASGI's raw (lower-case name, value) byte pairs; `body` is the whole
-    body. `block_hashes` are the chained KV-cache block hashes of the prompt the request
-    will run (`cache.block_hash`), empty when it runs none or it could not be rendered;
-    only the router reads them.
+    body. `prompt` is the prompt the request will run, rendered and hashed by the ingress
+    with the replica's tokenizer (for a completion of several prompts, the first one's),
+    None when it runs none or could not be rendered (the replica then reports why).
     """
 
     method: str
@@ -40,7 +46,12 @@ class ForwardedRequest:
     headers: tuple[tuple[bytes, bytes], ...] = ()
     body: bytes = b""
     client: tuple[str, int] | None = None
-    block_hashes: tuple[int, ...] = field(default=(), repr=False)
+    prompt: RenderedPrompt | None = field(default=None, repr=False)
+
+    @property
+    def block_hashes(self) -> tuple[int, ...]:
+        """The chained KV-cache block hashes of the prompt, empty without one."""
+        return () if self.prompt is None else self.prompt.block_hashes
 
     def scope(self) -> Scope:
         """The ASGI HTTP scope of this request. Spec 2.3: a streaming response learns of a
@@ -58,7 +69,7 @@ class ForwardedRequest:
             "headers": list(self.headers),
             "client": self.client,
             "server": None,
-            "state": {},
+            "state": {} if self.prompt is None else {RENDERED_PROMPT: self.prompt},
         }
 
 

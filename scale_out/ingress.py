@@ -1,10 +1,10 @@
 """The HTTP ingress: one ASGI app in front of the engine replicas.
 
 Ray Serve's HTTP proxy hands every request to this app (a Ray Serve ingress deployment).
-It reads the body, computes the prompt's block hashes for the router (`PromptHasher`, on a
-worker thread), and forwards the request whole to the replica the router picks, relaying
-the replica's response messages as they come, so streams stream. `GET /metrics` gathers
-every replica's metrics instead (`metrics.merge_replica_metrics`).
+It reads the body, renders the prompt and hashes its blocks (`PromptHasher`, on a worker
+thread), and forwards the request whole, with that prompt, to the replica the router
+picks, relaying the replica's response messages as they come, so streams stream.
+`GET /metrics` gathers every replica's metrics instead (`metrics.merge_replica_metrics`).
 
 Failures: a replica that dies before the client got any byte of its response is
 replaced by another attempt (up to `RETRIES`, then a 503); one that dies mid-stream ends
@@ -86,11 +86,11 @@ class IngressApp:
         if scope["method"] == "GET" and scope["path"] == "/metrics":
             await self._metrics(send)
             return
-        hashes: tuple[int, ...] = ()
+        prompt = None
         if self._hasher is not None and scope["method"] == "POST":
             loop = asyncio.get_running_loop()
-            hashes = await loop.run_in_executor(
-                self._hashing, self._hasher.block_hashes, scope["path"], body
+            prompt = await loop.run_in_executor(
+                self._hashing, self._hasher.render, scope["path"], body
             )
         request = ForwardedRequest(
             method=scope["method"],
@@ -99,7 +99,7 @@ class IngressApp:
             headers=tuple((name, value) for name, value in scope["headers"]),
             body=body,
             client=tuple(scope["client"]) if scope.get("client") else None,
-            block_hashes=hashes,
+            prompt=prompt,
         )
         relay = asyncio.ensure_future(self._relay(request, send))
         gone = asyncio.ensure_future(_wait_for_disconnect(receive))

@@ -1,17 +1,19 @@
-"""The KV-cache block hashes of a request's prompt, computed at the ingress for the router.
+"""A request's prompt rendered, tokenized and hashed at the ingress, for the router and
+the replica.
 
-The ingress renders and tokenizes the prompt exactly as a replica will (the same
+The ingress renders and tokenizes the prompt exactly as a replica would (the same
 tokenizer, `RequestProcessor.render_chat` / `encode`, and the server's own
 `template_inputs` for chats), then hashes its full blocks with the cache's own chained
 hash (`cache.block_hash.extend_block_hashes`). So block i of a request here is block i of
 that request in any replica's prefix cache, and two requests share their first k hashes
-exactly when a replica could serve the second one's first k blocks from the first's.
+exactly when a replica could serve the second one's first k blocks from the first's. The
+replica takes the token ids and hashes as they are (`server.rendered_prompt`).
 """
 
 from __future__ import annotations
 
 from cache.block_hash import extend_block_hashes
-from engine.request.intake import RequestProcessor
+from engine.request.intake import RenderedPrompt, RequestProcessor
 from server.chat_tools import ChatTools, ToolSyntax, template_inputs
 from server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -20,7 +22,7 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 
 
 class PromptHasher:
-    """Maps a request body to its prompt's block hashes. Not thread-safe (it owns the
+    """Maps a request body to its prompt, rendered and hashed. Not thread-safe (it owns the
     processor's tokenizer): the ingress calls it from one worker thread."""
 
     def __init__(self, processor: RequestProcessor, syntax: ToolSyntax, block_size: int) -> None:
@@ -28,16 +30,16 @@ class PromptHasher:
         self.syntax = syntax
         self.block_size = block_size
 
-    def block_hashes(self, path: str, body: bytes) -> tuple[int, ...]:
-        """The chained hashes of the full blocks of the prompt `body` runs at `path`; for a
-        completion of several prompts, the first one's. Empty for other paths and for a
-        body the server will refuse (the replica then reports why)."""
+    def render(self, path: str, body: bytes) -> RenderedPrompt | None:
+        """The prompt that `body` runs at `path`, rendered and hashed (for a completion of
+        several prompts, the first one's). None for other paths and for a body the server
+        will refuse (the replica then reports why)."""
         token_ids = self._token_ids(path, body)
         if not token_ids:
-            return ()
+            return None
         hashes: list[int] = []
         extend_block_hashes(hashes, token_ids, self.block_size)
-        return tuple(hashes)
+        return RenderedPrompt(tuple(token_ids), tuple(hashes), self.block_size)
 
     def _token_ids(self, path: str, body: bytes) -> list[int] | None:
         try:

@@ -38,6 +38,7 @@ from server.protocol import (
     ResponseToolCall,
     Usage,
 )
+from server.rendered_prompt import rendered_prompt
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
 from server.tools import ToolCallStream
@@ -85,11 +86,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             params = dataclasses.replace(
                 params, structured_outputs=tools.structured_outputs(syntax)
             )
-        messages, template_tools = template_inputs(body, syntax, tools)
-        try:
-            prompt = await llm.process_chat(messages, params, template_tools)
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "messages") from exc
+        rendered = rendered_prompt(request)
+        if rendered is not None:
+            prompt = await llm.process_rendered(rendered, params)
+        else:
+            messages, template_tools = template_inputs(body, syntax, tools)
+            try:
+                prompt = await llm.process_chat(messages, params, template_tools)
+            except ChatTemplateError as exc:
+                raise invalid_request(str(exc), "messages") from exc
     chat = _Chat(state, llm, body, prompt, syntax, tools, deadline)
     ticket = state.admission.admit(params.n)
     if body.stream:

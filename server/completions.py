@@ -23,6 +23,7 @@ from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.logprobs import CompletionLogprobsFormatter
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from server.rendered_prompt import rendered_prompt
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
 
@@ -48,7 +49,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         params = body.sampling_params(
             max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=llm.default_sampling
         )
-        prompts = [await llm.process(prompt, params) for prompt in body.prompt]
+        rendered = rendered_prompt(request) if len(body.prompt) == 1 else None
+        if rendered is not None:
+            prompts = [await llm.process_rendered(rendered, params)]
+        else:
+            prompts = [await llm.process(prompt, params) for prompt in body.prompt]
     if body.echo:
         prefixes = [p if isinstance(p, str) else await llm.decode(p) for p in body.prompt]
     else:

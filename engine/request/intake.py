@@ -8,6 +8,7 @@ thread of its own, off the event loop and off the engine thread.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -49,6 +50,24 @@ class EngineRequest:
     max_tokens: int
     prompt: str | None = None
     grammar: str | None = None
+    # The chained prefix-cache hashes of the prompt's first full blocks at the engine's
+    # block size, when they came with it (`RenderedPrompt`); the engine hashes the rest.
+    block_hashes: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RenderedPrompt:
+    """A prompt rendered and tokenized ahead of the engine with the engine's own tokenizer
+    and chat template (the scale-out ingress does it to route a request), and the chained
+    hashes of its full blocks at `block_size` (`cache.extend_block_hashes`).
+
+    An engine takes the hashes only at its own block size. A wrong hash costs a prefix
+    cache miss, never wrong KV: the block manager confirms every hit by its tokens.
+    """
+
+    token_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    block_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +120,16 @@ class RequestProcessor:
         if isinstance(prompt, str):
             return self._checked(self.tokenizer.encode(prompt), params, prompt)
         return self._checked(list(prompt), params, None)
+
+    def from_rendered(
+        self, rendered: RenderedPrompt, params: SamplingParams, block_size: int
+    ) -> EngineRequest:
+        """A prompt rendered ahead (see `RenderedPrompt`), checked like any other; its
+        hashes are kept when they were made at `block_size`."""
+        request = self._checked(list(rendered.token_ids), params, None)
+        if rendered.block_size != block_size:
+            return request
+        return dataclasses.replace(request, block_hashes=rendered.block_hashes)
 
     def from_chat(
         self,

@@ -35,15 +35,19 @@ class RequestState:
         token_texts: TokenTexts,
         device: torch.device,
         grammars: GrammarCompiler | None = None,
+        prompt_hashes: tuple[int, ...] = (),
     ) -> RequestState:
         """The request's samples, each with its own RNG (if seeded) and grammar matcher
-        (if the request has a grammar: then `grammars` must be the compiler that made it)."""
+        (if the request has a grammar: then `grammars` must be the compiler that made it),
+        each starting from `prompt_hashes`, the chained hashes of the prompt's first full
+        blocks at the engine's block size."""
         state = cls(request_id, request)
         params, prompt_ids = request.params, request.prompt_token_ids
         ending = ending_token_ids(params, eos_token_ids)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}-{index}"
             seq = Sequence(seq_id, request_id, prompt_ids, request.max_tokens, index=index)
+            seq.block_hashes.extend(prompt_hashes)
             generator = (
                 None if params.seed is None else seeded_generator(params.seed, index, device)
             )

@@ -92,18 +92,26 @@ def hasher(tiny_model_paths: dict[str, Path]) -> PromptHasher:
     return PromptHasher(processor, ToolSyntax.of("auto", tokenizer.chat_template), BLOCK)
 
 
+def hashes(hasher: PromptHasher, path: str, body: bytes) -> tuple[int, ...]:
+    rendered = hasher.render(path, body)
+    return () if rendered is None else rendered.block_hashes
+
+
 def test_prompt_hashes_are_the_replicas_block_hashes(hasher: PromptHasher) -> None:
     processor, params = hasher.processor, SamplingParams(max_tokens=1)
     text = "The quick brown fox jumps over the lazy dog. " * 3
     completion = json.dumps({"model": "m", "prompt": [text, "other"]}).encode()
     expected = chain(processor.from_prompt(text, params).prompt_token_ids)
-    assert list(hasher.block_hashes("/v1/completions", completion)) == expected
+    assert list(hashes(hasher, "/v1/completions", completion)) == expected
     ids = json.dumps({"model": "m", "prompt": list(range(9))}).encode()
-    assert list(hasher.block_hashes("/v1/completions", ids)) == chain(list(range(9)))
+    assert list(hashes(hasher, "/v1/completions", ids)) == chain(list(range(9)))
     messages = [{"role": "system", "content": text}, {"role": "user", "content": "Hi"}]
     chat = json.dumps({"model": "m", "messages": messages}).encode()
     rendered = processor.from_chat(messages, params).prompt_token_ids
-    assert list(hasher.block_hashes("/v1/chat/completions", chat)) == chain(rendered)
+    prompt = hasher.render("/v1/chat/completions", chat)
+    assert prompt is not None and prompt.block_size == BLOCK
+    assert list(prompt.token_ids) == rendered  # what the replica takes instead of rendering
+    assert list(prompt.block_hashes) == chain(rendered)
 
 
 def test_a_chat_with_tools_hashes_the_conversation_the_server_renders(
@@ -114,15 +122,15 @@ def test_a_chat_with_tools_hashes_the_conversation_the_server_renders(
     with_tools = json.dumps({**plain, "tools": [tool]}).encode()
     # The tiny template ignores `tools`: the server describes them in a system message.
     assert (
-        hasher.block_hashes("/v1/chat/completions", with_tools)[:2]
-        != hasher.block_hashes("/v1/chat/completions", json.dumps(plain).encode())[:2]
+        hashes(hasher, "/v1/chat/completions", with_tools)[:2]
+        != hashes(hasher, "/v1/chat/completions", json.dumps(plain).encode())[:2]
     )
 
 
-def test_requests_the_server_refuses_or_does_not_run_have_no_hashes(hasher: PromptHasher) -> None:
-    assert hasher.block_hashes("/v1/completions", b"{not json") == ()
-    assert hasher.block_hashes("/v1/completions", b'{"model": "m", "prompt": 5}') == ()
-    assert hasher.block_hashes("/tokenize", b'{"model": "m", "prompt": "Hello there"}') == ()
+def test_requests_the_server_refuses_or_does_not_run_have_no_prompt(hasher: PromptHasher) -> None:
+    assert hasher.render("/v1/completions", b"{not json") is None
+    assert hasher.render("/v1/completions", b'{"model": "m", "prompt": 5}') is None
+    assert hasher.render("/tokenize", b'{"model": "m", "prompt": "Hello there"}') is None
 
 
 def test_merged_metrics_label_each_replicas_samples() -> None:
