@@ -574,17 +574,20 @@ class ResponseToolCall(_Response):
 
 
 class ChatResponseMessage(_Response):
-    """`content` is None only when the message is tool calls alone."""
+    """`content` is None only when the message is tool calls alone; `reasoning_content`
+    is the model's reasoning (server/reasoning.py), left out when it has none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -617,6 +620,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
