@@ -206,11 +206,17 @@ class AsyncLLM:
         return await self._on_intake(self._processor.encode, text, add_special_tokens)
 
     async def render_chat(
-        self, messages: list[Message], add_generation_prompt: bool = True
+        self,
+        messages: list[Message],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
     ) -> list[int]:
-        """The token ids of a conversation as chat requests render it (unchecked against
-        limits); ChatTemplateError when the template refuses it."""
-        return await self._on_intake(self._processor.render_chat, messages, add_generation_prompt)
+        """The token ids of a conversation (with `tools` for the chat template) as chat
+        requests render it (unchecked against limits); ChatTemplateError when the template
+        refuses it."""
+        return await self._on_intake(
+            self._processor.render_chat, messages, add_generation_prompt, tools
+        )
 
     async def token_strs(self, token_ids: Sequence[int]) -> list[str]:
         """Each id's token as the vocabulary spells it; ValueError naming `tokens` for an

@@ -22,6 +22,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
 from server import chat, completions, dashboard, info, tokenization
+from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import install_error_handlers
 from server.request_id import RequestIdMiddleware
@@ -68,6 +69,7 @@ def build_app(
     app.include_router(info.api_router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(messages.router)
     app.include_router(tokenization.router)
     app.include_router(dashboard.page_router)
     app.include_router(dashboard.data_router)

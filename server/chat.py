@@ -38,6 +38,7 @@ from server.protocol import (
     ResponseToolCall,
     Usage,
 )
+from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
 from server.rendered_prompt import rendered_prompt
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
@@ -95,7 +96,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                 prompt = await llm.process_chat(messages, params, template_tools)
             except ChatTemplateError as exc:
                 raise invalid_request(str(exc), "messages") from exc
-    chat = _Chat(state, llm, body, prompt, syntax, tools, deadline)
+    chat = _Chat(state, llm, body, prompt, syntax, tools, state.reasoning_syntax(), deadline)
     ticket = state.admission.admit(params.n)
     if body.stream:
         return SSEResponse(chat.events(http_request_id(request)), on_close=ticket.release)
@@ -106,7 +107,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 @dataclass(slots=True)
 class _Chat:
-    """One validated chat request over one rendered prompt; `deadline` ends it early."""
+    """One validated chat request over one rendered prompt; `deadline` ends it early.
+    `reasoning`: how the model reasons (None: all of its text is the answer); tool calls
+    are read from the answer only."""
 
     state: ServerState
     llm: AsyncLLM
@@ -114,6 +117,7 @@ class _Chat:
     prompt: EngineRequest
     syntax: ToolSyntax
     tools: ChatTools | None
+    reasoning: ReasoningSyntax | None
     deadline: Deadline | None
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
@@ -127,11 +131,16 @@ class _Chat:
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
         choices = []
         for completion in final.outputs:
-            content: str | None = completion.text
+            reasoning, answer = split_reasoning(
+                self.reasoning, self.prompt.prompt_token_ids, completion.text
+            )
+            content: str | None = answer
             calls: list[ResponseToolCall] = []
             if self.tools is not None:
-                content, calls = self.tools.response_calls(completion.text, self.syntax)
-            message = ChatResponseMessage(content=content, tool_calls=calls or None)
+                content, calls = self.tools.response_calls(answer, self.syntax)
+            message = ChatResponseMessage(
+                content=content, reasoning_content=reasoning, tool_calls=calls or None
+            )
             choices.append(
                 ChatChoice(
                     index=completion.index,
@@ -150,14 +159,16 @@ class _Chat:
         )
 
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:
-        """The SSE stream: each choice's role, then content deltas, then per choice a chunk
-        with an empty delta and the finish_reason; the usage chunk if asked for; [DONE]."""
+        """The SSE stream: each choice's role, then reasoning and content deltas, then per
+        choice a chunk with an empty delta and the finish_reason; the usage chunk if asked
+        for; [DONE]."""
         for index in range(self.prompt.params.n):
             delta = ChatDelta(role="assistant", content="")
             yield sse(self._chunk(ChatStreamChoice(index=index, delta=delta)))
         whole: RequestOutput | None = None
         finished: set[int] = set()
         streams = self._tool_streams()
+        thoughts = self._reasoning_streams()
         try:
             async for _, output, latest in generate(
                 self.state, self.llm, [self.prompt], self.request_id, self.deadline
@@ -167,10 +178,12 @@ class _Chat:
                     if completion.index in finished:
                         continue
                     stream = streams.get(completion.index)
-                    text = completion.text if stream is None else stream.feed(completion.text)
+                    thought = thoughts.get(completion.index)
+                    reasoning, answer = _split(thought, completion.text)
+                    text = answer if stream is None else stream.feed(answer)
                     logprobs = self._logprobs(completion.logprobs)
-                    if text or (logprobs and logprobs.content):
-                        delta = ChatDelta(content=text)
+                    if text or reasoning or (logprobs and logprobs.content):
+                        delta = _text_delta(reasoning, text)
                         choice = ChatStreamChoice(
                             index=completion.index, delta=delta, logprobs=logprobs
                         )
@@ -178,14 +191,19 @@ class _Chat:
                     if completion.finish_reason is None:
                         continue
                     finished.add(completion.index)
+                    reasoning, rest = ("", "") if thought is None else thought.finish()
                     calls: list[ResponseToolCall] = []
                     if stream is not None:
-                        rest, parsed = stream.finish()
+                        rest = stream.feed(rest)
+                        more, parsed = stream.finish()
+                        rest += more
                         calls = self.tools.as_response(parsed) if self.tools and parsed else []
-                        if rest:
-                            yield sse(self._chunk(self._delta(completion.index, content=rest)))
-                        if calls:
-                            yield sse(self._chunk(self._tool_call_delta(completion.index, calls)))
+                    if reasoning or rest:
+                        delta = _text_delta(reasoning, rest)
+                        choice = ChatStreamChoice(index=completion.index, delta=delta)
+                        yield sse(self._chunk(choice))
+                    if calls:
+                        yield sse(self._chunk(self._tool_call_delta(completion.index, calls)))
                     choice = ChatStreamChoice(
                         index=completion.index,
                         delta=ChatDelta(),
@@ -216,9 +234,12 @@ class _Chat:
             for index in range(self.prompt.params.n)
         }
 
-    @staticmethod
-    def _delta(index: int, content: str) -> ChatStreamChoice:
-        return ChatStreamChoice(index=index, delta=ChatDelta(content=content))
+    def _reasoning_streams(self) -> dict[int, ReasoningStream]:
+        """Per choice, the splitter of its text into reasoning and answer (if it reasons)."""
+        if self.reasoning is None:
+            return {}
+        ids = self.prompt.prompt_token_ids
+        return {index: self.reasoning.stream(ids) for index in range(self.prompt.params.n)}
 
     @staticmethod
     def _tool_call_delta(index: int, calls: list[ResponseToolCall]) -> ChatStreamChoice:
@@ -243,6 +264,20 @@ class _Chat:
             choices=[] if choice is None else [choice],
             usage=usage,
         )
+
+
+def _split(thought: ReasoningStream | None, text: str) -> tuple[str, str]:
+    """The reasoning and the answer that `text`, more of a choice's text, decides."""
+    return ("", text) if thought is None else thought.feed(text)
+
+
+def _text_delta(reasoning: str, content: str) -> ChatDelta:
+    """A delta of reasoning and content, each left out when empty (content is sent, empty,
+    when neither is: a delta that carries only logprobs)."""
+    return ChatDelta(
+        content=content if content or not reasoning else None,
+        reasoning_content=reasoning or None,
+    )
 
 
 def _finish_reason(reason: str | None, calls: list[ResponseToolCall]) -> str | None:

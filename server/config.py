@@ -36,7 +36,9 @@ class ServeConfig(EngineConfig):
     host: str = Field("127.0.0.1", min_length=1, description="the address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="the port to listen on")
     api_key: SecretStr | None = Field(
-        None, description="require 'Authorization: Bearer KEY' on /v1 (env PAGEDSERVE_API_KEY)"
+        None,
+        description="require the key on /v1, as 'Authorization: Bearer KEY' or 'x-api-key: "
+        "KEY' (env PAGEDSERVE_API_KEY)",
     )
     served_model_name: str | None = Field(
         None, min_length=1, description="the name clients use; default: the model's name"
@@ -46,6 +48,13 @@ class ServeConfig(EngineConfig):
     )
     # How the model writes tool calls (server/tools.py); auto reads the chat template.
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
+    reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
+        "auto",
+        description="how the model's reasoning is told from its answer (server/reasoning.py): "
+        "qwen3 (a reply that opens with <think> reasons until </think>), deepseek_r1 (every "
+        "reply opens in reasoning, until </think>), none (all of a reply is its answer); "
+        "auto: qwen3 when the chat template writes <think>, else none",
+    )
     # Overload and deadlines (server/admission.py).
     max_queued_requests: int | None = Field(
         None,

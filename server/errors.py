@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
 
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
-from server.protocol import FIELD_ERROR, undeclared_field_reason
+from server.protocol import FIELD_ERROR, UNSUPPORTED_FIELDS, undeclared_field_reason
 
 logger = logging.getLogger(__name__)
 
@@ -115,12 +115,15 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
     return error_response(describe_validation_error(exc))
 
 
-def describe_validation_error(exc: RequestValidationError) -> OpenAIError:
+def describe_validation_error(
+    exc: RequestValidationError, refused: Mapping[str, str] = UNSUPPORTED_FIELDS
+) -> OpenAIError:
     """A 400 naming an invalid field (`messages[0].content`), or the body itself.
 
     Of several errors the deepest is the most telling: for a union-typed field it comes
     from the member the value came closest to matching. A model validator's `field_error`
-    names the field it is about; an undeclared field says why it is refused.
+    names the field it is about; an undeclared field says why it is refused (`refused`:
+    the API's known fields that are not implemented, with the reasons).
     """
     error = max(exc.errors(), key=lambda candidate: len(candidate["loc"]))
     location = [part for part in error["loc"] if part not in _UNION_TAGS and "[" not in str(part)]
@@ -136,7 +139,7 @@ def describe_validation_error(exc: RequestValidationError) -> OpenAIError:
         if not location:
             return invalid_request(f"the request body {message}")
     elif error["type"] == "extra_forbidden":
-        message = undeclared_field_reason(str(location[-1]))
+        message = undeclared_field_reason(str(location[-1]), refused)
     if not location or isinstance(location[0], int):
         # FastAPI hands a non-JSON body (or a JSON array) to the model as the body itself.
         return invalid_request("the request body must be a JSON object")

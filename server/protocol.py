@@ -102,10 +102,11 @@ def field_error(field: str | tuple[str | int, ...], reason: str) -> PydanticCust
     return PydanticCustomError(FIELD_ERROR, "{reason}", {"field": path, "reason": reason})
 
 
-def undeclared_field_reason(name: str) -> str:
-    """Why an undeclared field `name` was refused, for the 400 that names it."""
-    if name in UNSUPPORTED_FIELDS:
-        return f"not supported: {UNSUPPORTED_FIELDS[name]}"
+def undeclared_field_reason(name: str, refused: Mapping[str, str] = UNSUPPORTED_FIELDS) -> str:
+    """Why an undeclared field `name` was refused, for the 400 that names it; `refused`:
+    the API's fields it knows and does not implement, with the reasons."""
+    if name in refused:
+        return f"not supported: {refused[name]}"
     return "unrecognized request argument: this server does not know it, so it cannot honour it"
 
 
@@ -115,6 +116,10 @@ class _Request(BaseModel):
     may be ignored, so a field a model declares is always validated and honoured."""
 
     model_config = ConfigDict(strict=True, extra="forbid")
+    # The undeclared fields accepted and ignored, and those refused with a reason (another
+    # API's models name their own, server/anthropic/protocol.py).
+    IGNORED_FIELDS: ClassVar[Mapping[str, str]] = NO_OP_FIELDS
+    REFUSED_FIELDS: ClassVar[Mapping[str, str]] = UNSUPPORTED_FIELDS
 
     @model_validator(mode="before")
     @classmethod
@@ -126,7 +131,7 @@ class _Request(BaseModel):
             key: value
             for key, value in data.items()
             if key in declared
-            or not (key in NO_OP_FIELDS or (key in UNSUPPORTED_FIELDS and value is None))
+            or not (key in cls.IGNORED_FIELDS or (key in cls.REFUSED_FIELDS and value is None))
         }
 
 
@@ -142,6 +147,11 @@ class _Body(_Request):
         if path is not None:
             raise field_error(path, "contains a lone surrogate, which is not valid Unicode")
         return data
+
+
+# The bases of another API's request models: strict and closed as these are.
+RequestModel = _Request
+RequestBody = _Body
 
 
 def _lone_surrogate_path(data: Any) -> tuple[str | int, ...] | None:
@@ -564,17 +574,20 @@ class ResponseToolCall(_Response):
 
 
 class ChatResponseMessage(_Response):
-    """`content` is None only when the message is tool calls alone."""
+    """`content` is None only when the message is tool calls alone; `reasoning_content`
+    is the model's reasoning (server/reasoning.py), left out when it has none."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None
     tool_calls: list[ResponseToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        if data.get("tool_calls") is None:
-            data.pop("tool_calls", None)
+        for key in ("reasoning_content", "tool_calls"):
+            if data.get(key) is None:
+                data.pop(key, None)
         return data
 
 
@@ -607,6 +620,7 @@ class ChatCompletionResponse(_Response):
 class ChatDelta(_Response):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
     tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")

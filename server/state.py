@@ -15,6 +15,7 @@ from server.config import ServeConfig
 from server.errors import OpenAIError
 from server.history import StatsHistory
 from server.metrics import ServerMetrics
+from server.reasoning import ReasoningSyntax
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -73,6 +74,13 @@ class ServerState:
                 self.config.tool_call_parser, self.llm.chat_template, self.llm.special_tokens
             )
         return self._tool_syntax
+
+    def reasoning_syntax(self) -> ReasoningSyntax | None:
+        """How the served model reasons (the `reasoning_parser` setting); None: it does not."""
+        assert self.llm is not None
+        return ReasoningSyntax.of(
+            self.config.reasoning_parser, self.llm.chat_template, self.llm.special_tokens.text
+        )
 
     @property
     def model_name(self) -> str:

@@ -1,6 +1,7 @@
 """The client libraries users call pagedserve with, each against `pagedserve serve` on the
 real default model in a process of its own: the official `openai` SDK, LangChain's
-`ChatOpenAI`, instructor, Pydantic AI and the OpenAI Agents SDK.
+`ChatOpenAI`, instructor, Pydantic AI, the OpenAI Agents SDK, and Anthropic's SDK on
+/v1/messages.
 
 Judged on structure, not on the tiny model's wisdom: what comes back parses into the
 library's own types and validates. Where a case needs a tool call, the call is forced
@@ -14,6 +15,7 @@ import json
 from collections.abc import Iterator
 
 import agents
+import anthropic
 import httpx
 import instructor
 import openai
@@ -179,6 +181,75 @@ def test_openai_tool_round_trip(api: openai.OpenAI, server: str, model: str) -> 
     # the call and its result went into the prompt (`none` leaves the tools' description out)
     question = httpx.post(f"{server}/tokenize", json={"model": model, "messages": messages[:1]})
     assert final.usage.prompt_tokens > question.json()["count"] + 20
+
+
+# --- the official anthropic SDK (/v1/messages) -------------------------------------------
+
+ANTHROPIC_WEATHER = {
+    "name": "get_weather",
+    "description": GetWeather.__doc__,
+    "input_schema": GetWeather.model_json_schema(),
+}
+GREEDY = {"temperature": 0}  # the SDK has no temperature argument; the API takes one
+
+
+@pytest.fixture(scope="module")
+def claude(server: str) -> anthropic.Anthropic:
+    return anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0, timeout=120)
+
+
+def prompt_tokens(usage: anthropic.types.Usage) -> int:
+    """Anthropic counts the prompt tokens read from the prefix cache apart."""
+    return usage.input_tokens + (usage.cache_read_input_tokens or 0)
+
+
+def test_anthropic_create_and_count_tokens(claude: anthropic.Anthropic, model: str) -> None:
+    ask = [{"role": "user", "content": "Say hello."}]
+    reply = claude.messages.create(
+        model=model, max_tokens=TEXT_TOKENS, system="You are brief.", messages=ask,
+        extra_body=GREEDY,
+    )  # fmt: skip
+    [block] = reply.content
+    assert block.type == "text" and block.text.strip()
+    assert reply.stop_reason in ("end_turn", "max_tokens")
+    assert 0 < reply.usage.output_tokens <= TEXT_TOKENS
+    counted = claude.messages.count_tokens(model=model, system="You are brief.", messages=ask)
+    assert counted.input_tokens == prompt_tokens(reply.usage)
+
+
+def test_anthropic_stream_tool_round_trip(claude: anthropic.Anthropic, model: str) -> None:
+    messages: list = [{"role": "user", "content": ASK_WEATHER}]
+    with claude.messages.stream(
+        model=model, max_tokens=STRUCTURED_TOKENS, messages=messages, tools=[ANTHROPIC_WEATHER],
+        tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+        extra_body=GREEDY,
+    ) as stream:  # fmt: skip
+        first = stream.get_final_message()
+    assert first.stop_reason == "tool_use"
+    [use] = first.content
+    assert use.type == "tool_use" and use.name == "get_weather"
+    arguments = GetWeather.model_validate(use.input)
+
+    result = {
+        "type": "tool_result",
+        "tool_use_id": use.id,
+        "content": weather_report(arguments.city),
+    }
+    messages += [first.to_param(), {"role": "user", "content": [result]}]
+    # `none` asks for the answer in text: in `auto` the tiny model may call again
+    with claude.messages.stream(
+        model=model, max_tokens=TEXT_TOKENS, messages=messages, tools=[ANTHROPIC_WEATHER],
+        tool_choice={"type": "none"}, extra_body=GREEDY,
+    ) as stream:  # fmt: skip
+        text = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens")
+    assert text.strip() and [block.type for block in final.content] == ["text"]
+    # the call and its result went into the prompt, as count_tokens counts it
+    counted = claude.messages.count_tokens(model=model, messages=messages).input_tokens
+    assert counted == prompt_tokens(final.usage)
+    asked = claude.messages.count_tokens(model=model, messages=messages[:1]).input_tokens
+    assert counted > asked + 20
 
 
 # --- LangChain ---------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""POST /v1/messages and POST /v1/messages/count_tokens: Anthropic's Messages API.
+
+A thin adapter over the chat path: the conversation becomes chat messages and tools
+(server/anthropic/conversation.py), rendered by the same chat template on the engine's
+intake thread, sampled under the same grammar of tool calls and the same admission,
+deadline and stop handling (server/generation.py); the reply's text is split into
+thinking (server/reasoning.py), text and tool uses, as JSON or as Anthropic's events.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+
+from engine.errors import EngineError
+from engine.request.intake import ChatTemplateError
+from engine.sampling.defaults import with_defaults
+from engine.sampling.params import SamplingParams, StructuredOutputs
+from server.admission import Deadline, request_deadline
+from server.anthropic.conversation import chat_tools, reply_blocks, template_inputs, tool_use
+from server.anthropic.errors import AnthropicRoute, error_body
+from server.anthropic.events import PING, ContentBlocks, event
+from server.anthropic.protocol import (
+    CountTokensRequest,
+    MessageResponse,
+    MessagesRequest,
+    TokenCount,
+    ToolUseOut,
+    Usage,
+)
+from server.auth import require_api_key
+from server.chat_tools import ChatTools, ToolSyntax
+from server.disconnect import cancel_on_disconnect
+from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
+from server.errors import request_id as http_request_id
+from server.generation import final_outputs, generate, new_request_id
+from server.reasoning import ReasoningSyntax, split_reasoning
+from server.state import ServerState, server_state
+from server.streaming import SSEResponse
+from server.tools import ToolCallStream
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request.intake import EngineRequest
+
+router = APIRouter(route_class=AnthropicRoute, dependencies=[Depends(require_api_key)])
+_FIELDS = {*MessagesRequest.model_fields, "output_config.format"}
+
+
+@router.post("/v1/messages", response_model=None)
+async def create_message(body: MessagesRequest, request: Request) -> Response:
+    state = server_state(request)
+    llm = state.ready_llm()
+    state.check_model(body.model)
+    deadline = request_deadline(state.config, request)
+    syntax, tools = state.tool_syntax(), _checked_tools(state, body)
+    aliases = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
+    with user_errors(_FIELDS, aliases=aliases):
+        params = _sampling_params(body, llm.default_sampling)
+        if tools is not None and params.structured_outputs is None:
+            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
+            params = dataclasses.replace(
+                params, structured_outputs=tools.structured_outputs(syntax)
+            )
+        messages, template_tools = template_inputs(body, syntax, tools)
+        try:
+            prompt = await llm.process_chat(messages, params, template_tools)
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "messages") from exc
+    reply = _Reply(state, llm, body, prompt, syntax, tools, state.reasoning_syntax(), deadline)
+    ticket = state.admission.admit(1)
+    if body.stream:
+        return SSEResponse(reply.events(http_request_id(request)), on_close=ticket.release)
+    with ticket:
+        final = await cancel_on_disconnect(request, reply.run())
+    return Response(reply.response(final).model_dump_json(), media_type="application/json")
+
+
+@router.post("/v1/messages/count_tokens", response_model=None)
+async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
+    """The prompt tokens /v1/messages would take for this conversation and tools."""
+    state = server_state(request)
+    llm = state.ready_llm()
+    state.check_model(body.model)
+    syntax = state.tool_syntax()
+    messages, template_tools = template_inputs(body, syntax, _checked_tools(state, body))
+    try:
+        tokens = await llm.render_chat(messages, tools=template_tools)
+    except ChatTemplateError as exc:
+        raise invalid_request(str(exc), "messages") from exc
+    return Response(
+        TokenCount(input_tokens=len(tokens)).model_dump_json(), media_type="application/json"
+    )
+
+
+def _checked_tools(
+    state: ServerState, body: MessagesRequest | CountTokensRequest
+) -> ChatTools | None:
+    if body.tools and len(body.tools) > state.config.max_tools:
+        raise invalid_request(
+            f"tools must hold at most {state.config.max_tools} tools (the server's "
+            f"max_tools setting), got {len(body.tools)}",
+            "tools",
+        )
+    return chat_tools(body)
+
+
+def _sampling_params(body: MessagesRequest, defaults: dict[str, Any]) -> SamplingParams:
+    """The request's sampling settings over the server's defaults (as chat's); raises
+    ValueError naming the setting when a value is out of range."""
+    requested = {
+        "max_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "top_k": body.top_k,
+        "stop": body.stop_sequences,
+    }
+    values = with_defaults(requested, defaults)
+    output = body.output_config
+    if output is not None and output.format is not None:
+        values["structured_outputs"] = StructuredOutputs(json=output.format.schema_)
+    return SamplingParams(**values)
+
+
+@dataclass(slots=True)
+class _Reply:
+    """One validated message request over its rendered prompt; `deadline` ends it early.
+    `reasoning`: how the model reasons (None: all of its text is the answer)."""
+
+    state: ServerState
+    llm: AsyncLLM
+    body: MessagesRequest
+    prompt: EngineRequest
+    syntax: ToolSyntax
+    tools: ChatTools | None
+    reasoning: ReasoningSyntax | None
+    deadline: Deadline | None
+    # Anthropic's shape of id (`msg_...`); fresh, as engine request ids must be.
+    request_id: str = field(default_factory=lambda: new_request_id("msg").replace("-", "_"))
+
+    async def run(self) -> RequestOutput:
+        finals = await final_outputs(
+            self.state, self.llm, [self.prompt], self.request_id, self.deadline
+        )
+        return finals[0]
+
+    def response(self, final: RequestOutput) -> MessageResponse:
+        [completion] = final.outputs
+        ids = self.prompt.prompt_token_ids
+        reasoning, answer = split_reasoning(self.reasoning, ids, completion.text)
+        content = reply_blocks(
+            reasoning, answer, self.tools, self.syntax, self.body.thinking_display()
+        )
+        calls = any(isinstance(block, ToolUseOut) for block in content)
+        stop_reason, stop_sequence = _stop(completion, calls)
+        return MessageResponse(
+            id=self.request_id,
+            model=self.state.model_name,
+            content=content,
+            stop_reason=stop_reason,
+            stop_sequence=stop_sequence,
+            usage=_usage(final),
+        )
+
+    async def events(self, http_id: str) -> AsyncGenerator[str, None]:
+        """The event stream (server/anthropic/events.py): thinking and text as they come
+        (text that may begin a tool call is held), each tool use whole once the reply
+        ends; an `error` event ends a stream that failed (what was sent stays sent)."""
+        started = MessageResponse(
+            id=self.request_id,
+            model=self.state.model_name,
+            content=[],
+            stop_reason=None,
+            usage=Usage(input_tokens=len(self.prompt.prompt_token_ids), output_tokens=0),
+        )
+        yield event({"type": "message_start", "message": started.model_dump()})
+        yield event(PING)
+        pieces = _Pieces(self)
+        try:
+            async for _, output, whole in generate(
+                self.state, self.llm, [self.prompt], self.request_id, self.deadline
+            ):
+                [completion] = output.outputs
+                for piece in pieces.feed(completion.text):
+                    yield piece
+                if completion.finish_reason is None:
+                    continue
+                ended, calls = pieces.finish()
+                for piece in ended:
+                    yield piece
+                stop_reason, stop_sequence = _stop(completion, calls)
+                delta = {"stop_reason": stop_reason, "stop_sequence": stop_sequence}
+                usage = _usage(whole).model_dump()
+                yield event({"type": "message_delta", "delta": delta, "usage": usage})
+                yield event({"type": "message_stop"})
+        except EngineError as exc:
+            yield event(error_body(engine_failure(http_id, exc), http_id))
+        except OpenAIError as exc:  # the deadline passed
+            yield event(error_body(exc, http_id))
+
+
+class _Pieces:
+    """One streamed reply's text as content-block events: split into reasoning and
+    answer, the answer into text and tool calls (held until the reply ends)."""
+
+    def __init__(self, reply: _Reply) -> None:
+        self._blocks = ContentBlocks()
+        self._display = reply.body.thinking_display()
+        ids = reply.prompt.prompt_token_ids
+        self._thoughts = reply.reasoning.stream(ids) if reply.reasoning is not None else None
+        self._tools = reply.tools
+        self._calls = None
+        if reply.tools is not None:
+            self._calls = ToolCallStream(reply.syntax.format, reply.tools.forced is not None)
+
+    def feed(self, delta: str) -> list[str]:
+        reasoning, answer = ("", delta) if self._thoughts is None else self._thoughts.feed(delta)
+        events = self._thinking(reasoning)
+        return events + self._blocks.text(
+            answer if self._calls is None else self._calls.feed(answer)
+        )
+
+    def finish(self) -> tuple[list[str], bool]:
+        """The last events, and whether the reply made tool calls."""
+        reasoning, answer = ("", "") if self._thoughts is None else self._thoughts.finish()
+        events = self._thinking(reasoning)
+        if self._calls is None:
+            return [*events, *self._blocks.close()], False
+        assert self._tools is not None
+        text = self._calls.feed(answer)
+        rest, parsed = self._calls.finish()
+        events += self._blocks.text(text + rest)
+        calls = self._tools.as_response(parsed) if parsed else []
+        for call in calls:
+            events += self._blocks.tool_use(tool_use(call.function.name, call.function.arguments))
+        return [*events, *self._blocks.close()], bool(calls)
+
+    def _thinking(self, reasoning: str) -> list[str]:
+        if not reasoning or self._display == "dropped":
+            return []
+        return self._blocks.thinking(reasoning, shown=self._display == "shown")
+
+
+def _stop(completion: CompletionOutput, calls: bool) -> tuple[str, str | None]:
+    """Anthropic's stop reason, and the stop sequence that ended the reply if one did."""
+    if completion.finish_reason == "length":
+        return "max_tokens", None
+    if isinstance(completion.stop_reason, str):
+        return "stop_sequence", completion.stop_reason
+    return ("tool_use" if calls else "end_turn"), None
+
+
+def _usage(output: RequestOutput) -> Usage:
+    cached = output.num_cached_tokens
+    return Usage(
+        input_tokens=len(output.prompt_token_ids) - cached,
+        output_tokens=sum(len(c.token_ids) for c in output.outputs),
+        cache_read_input_tokens=cached,
+    )

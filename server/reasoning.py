@@ -1,0 +1,148 @@
+"""Reasoning: the part of a reply a model thinks in, told from the answer it gives.
+
+Reasoning models write their thoughts between `<think>` and `</think>`, then the answer.
+A parser is chosen per server (`reasoning_parser`; `auto` reads the chat template):
+
+- `qwen3` (Qwen3, QwQ and others): a reply that opens with `<think>` reasons until
+  `</think>`; one that opens otherwise is all answer. A prompt whose last tokens opened
+  `<think>` without closing it (templates that start the thinking themselves, as
+  Qwen3's thinking-only models do) makes the reply open in reasoning.
+- `deepseek_r1`: every reply opens in reasoning (its template writes `<think>`; a
+  `<think>` the model writes anyway is dropped), until `</think>`.
+- `none`: every reply is all answer.
+
+A reply cut short before `</think>` is all reasoning. Whitespace around the reasoning and
+before the answer is dropped. Tool calls and structured outputs are read from the answer
+only (server/chat.py, server/anthropic/).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+START, END = "<think>", "</think>"
+# How near the prompt's end an unclosed `<think>` token opens the reply's reasoning: the
+# token and the newline or two a template writes after it.
+_OPENING_TAIL = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningSyntax:
+    """How the served model reasons. `always_open`: every reply opens in reasoning
+    (`deepseek_r1`); `start_id` and `end_id` are the ids of `<think>` and `</think>` where
+    the tokenizer holds them as tokens of their own (read by `opens_in_reasoning`)."""
+
+    always_open: bool
+    start_id: int | None = None
+    end_id: int | None = None
+
+    @classmethod
+    def of(
+        cls, setting: str, chat_template: str | None, tokens: Mapping[str, int]
+    ) -> ReasoningSyntax | None:
+        """The syntax `setting` names (None for `none`); `auto` is `qwen3` when the chat
+        template writes `<think>`. `tokens`: the tokenizer's added tokens that decode as
+        text, by their text (`SpecialTokens.text`)."""
+        if setting == "auto":
+            setting = "qwen3" if START in (chat_template or "") else "none"
+        if setting == "none":
+            return None
+        return cls(setting == "deepseek_r1", tokens.get(START), tokens.get(END))
+
+    def opens_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
+        """Whether a reply to this prompt begins inside its reasoning."""
+        if self.always_open:
+            return True
+        if self.start_id is None:
+            return False
+        tail = list(prompt_token_ids[-_OPENING_TAIL:])
+        if self.start_id not in tail:
+            return False
+        opened = len(tail) - 1 - tail[::-1].index(self.start_id)
+        return self.end_id not in tail[opened:]
+
+    def stream(self, prompt_token_ids: Sequence[int]) -> ReasoningStream:
+        """The splitter of one reply to this prompt."""
+        return ReasoningStream(self.opens_in_reasoning(prompt_token_ids))
+
+
+class ReasoningStream:
+    """One reply's text, split into reasoning and answer as it streams.
+
+    Invariant: `feed` returns only text whose side is decided, never a piece of a marker
+    nor whitespace that might turn out to surround the reasoning or to open the answer;
+    `finish` returns the rest. Fed the whole text at once, it splits it as it would piece
+    by piece.
+    """
+
+    def __init__(self, open_at_start: bool) -> None:
+        self._state = "start"  # before the reply's first words: a `<think>` may come
+        self._open_at_start = open_at_start
+        self._held = ""  # text not yet returned
+        self._begun = False  # the current part's leading whitespace is behind
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """The reasoning and the answer that this much more text decides."""
+        self._held += delta
+        reasoning = ""
+        if self._state == "start":
+            text = self._held.lstrip()
+            if len(text) < len(START) and START.startswith(text):
+                return "", ""
+            if text.startswith(START):
+                self._enter("reasoning", text[len(START) :])
+            else:
+                self._enter("reasoning" if self._open_at_start else "answer", self._held)
+        if self._state == "reasoning":
+            self._skip_leading_space()
+            end = self._held.find(END)
+            if end == -1:
+                # Hold what may begin `</think>`, and the whitespace before it.
+                cut = len(self._held) - _partial_suffix(self._held, END)
+                cut = len(self._held[:cut].rstrip())
+                reasoning, self._held = self._held[:cut], self._held[cut:]
+                return reasoning, ""
+            reasoning = self._held[:end].rstrip()
+            self._enter("answer", self._held[end + len(END) :])
+        self._skip_leading_space()
+        answer, self._held = self._held, ""
+        return reasoning, answer
+
+    def finish(self) -> tuple[str, str]:
+        """The reasoning and the answer not yet returned; a reply cut short inside its
+        reasoning ends there (all of it was reasoning)."""
+        if self._state == "start":
+            self._enter("reasoning" if self._open_at_start else "answer", self._held)
+        self._skip_leading_space()
+        rest, self._held = self._held, ""
+        return (rest.rstrip(), "") if self._state == "reasoning" else ("", rest)
+
+    def _enter(self, state: str, held: str) -> None:
+        self._state, self._held, self._begun = state, held, False
+
+    def _skip_leading_space(self) -> None:
+        if not self._begun:
+            self._held = self._held.lstrip()
+            self._begun = bool(self._held)
+
+
+def split_reasoning(
+    syntax: ReasoningSyntax | None, prompt_token_ids: Sequence[int], text: str
+) -> tuple[str | None, str]:
+    """A whole reply's reasoning (None when it has none, or an empty one) and its answer."""
+    if syntax is None:
+        return None, text
+    stream = syntax.stream(prompt_token_ids)
+    reasoning, answer = stream.feed(text)
+    more_reasoning, more_answer = stream.finish()
+    return (reasoning + more_reasoning) or None, answer + more_answer
+
+
+def _partial_suffix(text: str, marker: str) -> int:
+    """How many characters at the end of `text` begin `marker`."""
+    for length in range(min(len(marker) - 1, len(text)), 0, -1):
+        if marker.startswith(text[-length:]):
+            return length
+    return 0
