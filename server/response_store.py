@@ -36,6 +36,29 @@ CREATE TABLE IF NOT EXISTS responses (
 """
 
 
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the store in `path` (made, with its schema, if new), in autocommit
+    mode; ResponseStoreError naming the file and the setting if it cannot be opened or
+    holds another schema version."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        db = sqlite3.connect(path, isolation_level=None)
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version not in (0, SCHEMA_VERSION):
+            db.close()
+            raise ResponseStoreError(
+                f"{path} holds stored responses of schema version {version}; this server "
+                f"reads version {SCHEMA_VERSION} (set response_store elsewhere)"
+            )
+        db.execute(_SCHEMA)
+        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+    except (OSError, sqlite3.Error) as exc:
+        raise ResponseStoreError(
+            f"cannot open the response store {path} (the response_store setting): {exc}"
+        ) from exc
+    return db
+
+
 class ResponseStoreError(RuntimeError):
     """The store's file cannot be opened or is not a store of this version."""
 
@@ -101,23 +124,7 @@ class ResponseStore:
         return await asyncio.get_running_loop().run_in_executor(self._thread, work, *args)
 
     def _connect(self) -> None:
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            db = sqlite3.connect(self.path, isolation_level=None)
-            version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
-                db.close()
-                raise ResponseStoreError(
-                    f"{self.path} holds stored responses of schema version {version}; this "
-                    f"server reads version {SCHEMA_VERSION} (set response_store elsewhere)"
-                )
-            db.execute(_SCHEMA)
-            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
-        except (OSError, sqlite3.Error) as exc:
-            raise ResponseStoreError(
-                f"cannot open the response store {self.path} (the response_store setting): {exc}"
-            ) from exc
-        self._db = db
+        self._db = connect(self.path)
 
     def _disconnect(self) -> None:
         if self._db is not None:  # None when opening failed
