@@ -50,8 +50,9 @@ def connect(path: Path) -> sqlite3.Connection:
                 f"{path} holds stored responses of schema version {version}; this server "
                 f"reads version {SCHEMA_VERSION} (set response_store elsewhere)"
             )
-        db.execute(_SCHEMA)
-        db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        if version == 0:  # a new file (servers starting together may both get here)
+            db.execute(_SCHEMA)
+            db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
     except (OSError, sqlite3.Error) as exc:
         raise ResponseStoreError(
             f"cannot open the response store {path} (the response_store setting): {exc}"

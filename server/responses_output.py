@@ -129,7 +129,7 @@ class OutputItems:
         ]
 
     def _index(self, item: OutputItem) -> dict[str, int]:
-        return {"output_index": self.items.index(item)}
+        return {"output_index": next(i for i, kept in enumerate(self.items) if kept is item)}
 
     def _where(self, item: OutputItem) -> dict[str, Any]:
         return {"item_id": item.id, **self._index(item)}
