@@ -20,6 +20,7 @@ import uvicorn
 
 from engine.config import ConfigError
 from server.config import DEFAULT_PRESET, LOG_FORMAT, ServeConfig, resolve_serve_config
+from server.response_store import ResponseStoreError, connect
 
 USAGE_ERROR = 2
 
@@ -137,6 +138,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         # background load reports anything found later (the server then exits, code 2).
         resolve_model_folder(config.model)
     except ModelLoadError as exc:
+        return _usage_error(exc)
+    try:
+        connect(config.response_store_path()).close()  # an unusable store path, at once
+    except ResponseStoreError as exc:
         return _usage_error(exc)
     if args.command == "ray-serve":
         # The one place the server reaches up into the scale-out layer: its command line.

@@ -7,6 +7,8 @@ exit shuts the engine down. Another of its tasks records the dashboard's history
 third watches the engine: if its loop dies, every request in flight has been failed (a 500,
 or an error event on a stream), /health and new requests answer 503, and
 `on_engine_death` hears of it (`pagedserve serve` then exits, so a supervisor restarts it).
+The store of /v1/responses opens before the server answers (a failure to open it stops
+start-up) and closes last.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, dashboard, info, tokenization
+from server import chat, completions, dashboard, info, responses, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import install_error_handlers
@@ -47,6 +49,7 @@ def build_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await state.responses.open()
         loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
         recording = asyncio.create_task(state.history.run())
         watching = asyncio.create_task(_watch_engine(state, loading, on_engine_death))
@@ -60,6 +63,7 @@ def build_app(
             watching.cancel()
             if state.llm is not None:
                 await state.llm.shutdown()
+            await state.responses.close()
 
     app = FastAPI(title="pagedserve", version=info.VERSION, lifespan=lifespan)
     app.state.server = state
@@ -71,6 +75,7 @@ def build_app(
     app.include_router(chat.router)
     app.include_router(messages.router)
     app.include_router(tokenization.router)
+    app.include_router(responses.router)
     app.include_router(dashboard.page_router)
     app.include_router(dashboard.data_router)
     return app

@@ -1,7 +1,14 @@
-"""API-key check for the /v1 API; /health, /metrics and /version stay open."""
+"""API-key check for the /v1 API; /health, /metrics and /version stay open.
+
+The server accepts any of its keys (`ServeConfig.api_keys`: `api_key`, a list of them, and
+`api_key_file`'s), sent as `Authorization: Bearer <key>` (OpenAI's clients) or as
+`x-api-key: <key>` (Anthropic's). What a request stores belongs to its key: `key_owner`
+names the owner by a digest of the key, so the store never holds a key itself.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 
 from fastapi import Request
@@ -11,25 +18,39 @@ from server.state import server_state
 
 
 async def require_api_key(request: Request) -> None:
-    """Pass when no key is configured, or when the request carries it: as
-    `Authorization: Bearer <key>` (OpenAI's clients) or as `x-api-key: <key>` (Anthropic's).
+    """Pass when no key is configured, or when the request carries one of them.
 
-    The comparison takes the same time wherever the tokens differ, so response timing
-    does not reveal how much of a guessed key is right.
+    Every key is compared, each in the same time wherever the tokens differ, so response
+    timing reveals neither how much of a guessed key is right nor which key it was near.
     """
-    expected = server_state(request).config.api_key
-    if expected is None:
+    keys = server_state(request).api_keys
+    if not keys:
         return
-    key = expected.get_secret_value().encode()
+    token = _sent_key(request)
+    matches = False
+    for key in keys:
+        matches |= hmac.compare_digest(token.encode(), key)
+    if token == "" or not matches:
+        raise OpenAIError(
+            401,
+            "invalid or missing API key: send the header 'Authorization: Bearer <key>' or "
+            "'x-api-key: <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
+
+
+def key_owner(request: Request) -> str:
+    """The owner of what a request that passed `require_api_key` stores: the SHA-256 of
+    its key, or "" on a server without keys (where everything is everyone's)."""
+    if not server_state(request).api_keys:
+        return ""
+    return hashlib.sha256(_sent_key(request).encode()).hexdigest()
+
+
+def _sent_key(request: Request) -> str:
+    """The key the request sent: a bearer token, else the x-api-key header; "" if none."""
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    bearer = scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key)
-    header = request.headers.get("x-api-key")
-    if bearer or (header is not None and hmac.compare_digest(header.strip().encode(), key)):
-        return
-    raise OpenAIError(
-        401,
-        "invalid or missing API key: send the header 'Authorization: Bearer <key>' or "
-        "'x-api-key: <key>'",
-        code="invalid_api_key",
-        headers={"WWW-Authenticate": "Bearer"},
-    )
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return request.headers.get("x-api-key", "").strip()

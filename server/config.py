@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import Field, SecretStr, field_validator
 
-from engine.config import ENV_PREFIX, EngineConfig, load_config
+from engine.config import ENV_PREFIX, EngineConfig, cache_root, load_config
 
 # The settings of configs/default.yaml, embedded so that `pagedserve serve` with no config
 # and no model serves the embedded model the same way wherever the package is installed
@@ -35,10 +35,22 @@ class ServeConfig(EngineConfig):
 
     host: str = Field("127.0.0.1", min_length=1, description="the address to listen on")
     port: int = Field(8000, ge=0, le=65535, description="the port to listen on")
-    api_key: SecretStr | None = Field(
+    api_key: SecretStr | list[SecretStr] | None = Field(
         None,
         description="require the key on /v1, as 'Authorization: Bearer KEY' or 'x-api-key: "
-        "KEY' (env PAGEDSERVE_API_KEY)",
+        "KEY' (env PAGEDSERVE_API_KEY); a "
+        "list of keys in a config file lets several users share the server, each seeing only "
+        "the stored responses it created",
+    )
+    api_key_file: Path | None = Field(
+        None,
+        description="a file of API keys, one a line (blank lines and lines starting with # "
+        "are skipped), accepted beside api_key's",
+    )
+    response_store: Path | None = Field(
+        None,
+        description="the SQLite file that keeps the stored /v1/responses (store: true) "
+        "across restarts; default: $PAGEDSERVE_CACHE/responses.sqlite3",
     )
     served_model_name: str | None = Field(
         None, min_length=1, description="the name clients use; default: the model's name"
@@ -83,9 +95,45 @@ class ServeConfig(EngineConfig):
         # `PAGEDSERVE_API_KEY=` conventionally unsets the key rather than requiring "".
         return None if value == "" else value
 
+    @field_validator("api_key")
+    @classmethod
+    def _no_empty_key_in_a_list(
+        cls, value: SecretStr | list[SecretStr] | None
+    ) -> SecretStr | list[SecretStr] | None:
+        # An empty list would leave the server open while looking locked.
+        if isinstance(value, list) and not (value and all(k.get_secret_value() for k in value)):
+            raise ValueError("a list of keys must hold at least one key, and no empty one")
+        return value
+
+    @field_validator("api_key_file")
+    @classmethod
+    def _key_file_holds_keys(cls, value: Path | None) -> Path | None:
+        if value is not None and not read_key_file(value):
+            raise ValueError(f"{value} holds no key")
+        return value
+
+    def api_keys(self) -> list[str]:
+        """Every accepted API key (reads `api_key_file`); none: the API is open."""
+        keys = [self.api_key] if isinstance(self.api_key, SecretStr) else self.api_key or []
+        from_file = [] if self.api_key_file is None else read_key_file(self.api_key_file)
+        return [key.get_secret_value() for key in keys] + from_file
+
+    def response_store_path(self) -> Path:
+        """Where stored responses are kept (`response_store`, else under the cache)."""
+        return self.response_store or cache_root() / "responses.sqlite3"
+
     def engine_config(self) -> EngineConfig:
         """The engine's share of the settings, as the engine's own type."""
         return EngineConfig(**{key: getattr(self, key) for key in EngineConfig.model_fields})
+
+
+def read_key_file(path: Path) -> list[str]:
+    """The keys in a file of keys, one a line; ValueError when it cannot be read."""
+    try:
+        lines = path.expanduser().read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"cannot read {path}: {exc}") from None
+    return [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
 
 
 def resolve_serve_config(

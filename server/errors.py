@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import EngineError
 from server.protocol import FIELD_ERROR, UNSUPPORTED_FIELDS, undeclared_field_reason
+from server.responses_protocol import INPUT_ITEM_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +28,8 @@ CLIENT_CLOSED_REQUEST = 499
 # Pydantic names the member of a union that failed (`prompt.list[int]`); a client
 # wants the field's path, so these tags are left out of `param`.
 _UNION_TAGS = {"str", "int", "float", "bool"}
+# Likewise the tag of a list's discriminated union, after the index (`input[0].message.role`).
+_ITEM_TAGS = set(INPUT_ITEM_TYPES)
 
 
 class OpenAIError(Exception):
@@ -126,7 +129,14 @@ def describe_validation_error(
     the API's known fields that are not implemented, with the reasons).
     """
     error = max(exc.errors(), key=lambda candidate: len(candidate["loc"]))
-    location = [part for part in error["loc"] if part not in _UNION_TAGS and "[" not in str(part)]
+    loc = error["loc"]
+    location = [
+        part
+        for i, part in enumerate(loc)
+        if part not in _UNION_TAGS
+        and "[" not in str(part)
+        and not (part in _ITEM_TAGS and i > 0 and isinstance(loc[i - 1], int))
+    ]
     if location and location[0] == "body":
         location = location[1:]
     if error["type"] == "json_invalid":

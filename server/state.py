@@ -16,6 +16,7 @@ from server.errors import OpenAIError
 from server.history import StatsHistory
 from server.metrics import ServerMetrics
 from server.reasoning import ReasoningSyntax
+from server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -34,6 +35,8 @@ class ServerState:
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
     history: StatsHistory = field(init=False)
+    api_keys: tuple[bytes, ...] = field(init=False, repr=False)
+    responses: ResponseStore = field(init=False)
     _tool_syntax: ToolSyntax | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -45,6 +48,8 @@ class ServerState:
             self.metrics.requests_rejected.inc,
         )
         self.history = StatsHistory(self.engine_stats, self.metrics.time_to_first_token)
+        self.api_keys = tuple(key.encode() for key in self.config.api_keys())
+        self.responses = ResponseStore(self.config.response_store_path())
 
     def engine_stats(self) -> EngineStats | None:
         return None if self.llm is None else self.llm.stats()

@@ -1,7 +1,8 @@
 """The client libraries users call pagedserve with, each against `pagedserve serve` on the
-real default model in a process of its own: the official `openai` SDK, LangChain's
-`ChatOpenAI`, instructor, Pydantic AI, the OpenAI Agents SDK, and Anthropic's SDK on
-/v1/messages.
+real default model in a process of its own: the official `openai` SDK (chat completions and
+the Responses API), LangChain's `ChatOpenAI`, instructor, Pydantic AI, the OpenAI Agents
+SDK (its chat completions model and its default, Responses, model), and Anthropic's SDK
+on /v1/messages.
 
 Judged on structure, not on the tiny model's wisdom: what comes back parses into the
 library's own types and validates. Where a case needs a tool call, the call is forced
@@ -13,6 +14,7 @@ import asyncio
 import enum
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import agents
 import anthropic
@@ -37,6 +39,7 @@ pytestmark = pytest.mark.slow
 # string is bounded by its schema, so a greedy loop cannot run on); free text is cut short.
 STRUCTURED_TOKENS = 120
 TEXT_TOKENS = 32
+RESTART_TOKENS = 8  # the restart test starts two servers; its replies need only be there
 ASK_PERSON = "Describe a fictional person."
 ASK_WEATHER = "What is the weather in Paris?"
 
@@ -93,16 +96,21 @@ def valid_person(person: object) -> None:
     assert isinstance(person.address, Address)
 
 
+def server_args(store: Path) -> list[str]:
+    """`pagedserve serve` on the default model, its stored responses in `store`."""
+    return [
+        *("--model", "default", "--dtype", "float32", "--device", "cpu"),
+        *("--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"),
+        *("--response-store", str(store)),
+    ]
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """`pagedserve serve` on the default model, as users run it, on a free loopback port."""
-    args = [
-        *("--model", "default", "--dtype", "float32", "--device", "cpu"),
-        *("--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--log-level", "warning"),
-    ]
-    log = tmp_path_factory.mktemp("agent-clients") / "server.log"
+    folder = tmp_path_factory.mktemp("agent-clients")
     # A first start converts the model and builds the kernels.
-    with serve_process(args, log, timeout=300) as url:
+    with serve_process(server_args(folder / "responses.sqlite3"), folder / "server.log") as url:
         yield url
 
 
@@ -252,6 +260,88 @@ def test_anthropic_stream_tool_round_trip(claude: anthropic.Anthropic, model: st
     assert counted > asked + 20
 
 
+# --- the official openai SDK, Responses API ------------------------------------------------
+
+
+def test_openai_responses_plain_and_streamed(api: openai.OpenAI, model: str) -> None:
+    kwargs = dict(model=model, input="Say hello.", max_output_tokens=TEXT_TOKENS, temperature=0)
+    whole = api.responses.create(**kwargs)
+    assert whole.status in ("completed", "incomplete") and whole.output_text.strip()
+    assert 0 < whole.usage.output_tokens <= TEXT_TOKENS
+    events = list(api.responses.create(**kwargs, stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added", "response.content_part.added",
+    ]  # fmt: skip
+    assert kinds[-4:] == [
+        "response.output_text.done", "response.content_part.done",
+        "response.output_item.done", f"response.{whole.status}",
+    ]  # fmt: skip
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == whole.output_text == events[-1].response.output_text
+
+
+def test_openai_responses_function_tool_round_trip(
+    api: openai.OpenAI, server: str, model: str
+) -> None:
+    tool = {"type": "function", **WEATHER_TOOL["function"]}
+    first = api.responses.create(
+        model=model, input=ASK_WEATHER, tools=[tool], max_output_tokens=STRUCTURED_TOKENS,
+        tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
+    )  # fmt: skip
+    [call] = first.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    arguments = GetWeather.model_validate_json(call.arguments)
+    result = {
+        "type": "function_call_output",
+        "call_id": call.call_id,
+        "output": weather_report(arguments.city),
+    }
+    # the stored call continues: `none` asks for the answer in text
+    final = api.responses.create(
+        model=model, input=[result], previous_response_id=first.id, tools=[tool],
+        tool_choice="none", max_output_tokens=TEXT_TOKENS, temperature=0,
+    )  # fmt: skip
+    [message] = final.output
+    assert message.type == "message" and final.output_text.strip()
+    # the stored question and call, and the result, went into the prompt (`none` leaves
+    # the tools' description out)
+    question = [{"role": "user", "content": ASK_WEATHER}]
+    asked = httpx.post(f"{server}/tokenize", json={"model": model, "messages": question})
+    assert final.usage.input_tokens > asked.json()["count"] + 20
+
+
+def test_openai_responses_parse_json_schema(api: openai.OpenAI, model: str) -> None:
+    reply = api.responses.parse(
+        model=model, input=ASK_PERSON, text_format=Person,
+        max_output_tokens=STRUCTURED_TOKENS, temperature=0,
+    )  # fmt: skip
+    assert reply.status == "completed", reply.output_text
+    valid_person(reply.output_parsed)
+    assert Person.model_validate_json(reply.output_text) == reply.output_parsed
+
+
+def test_openai_responses_continue_across_a_server_restart(tmp_path: Path) -> None:
+    args, log = server_args(tmp_path / "responses.sqlite3"), tmp_path / "server.log"
+    with serve_process(args, log) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        model = api.models.list().data[0].id
+        first = api.responses.create(
+            model=model, input="My name is Ada.", max_output_tokens=RESTART_TOKENS, temperature=0
+        )
+    with serve_process(args, log) as url:
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        assert api.responses.retrieve(first.id).output_text == first.output_text
+        second = api.responses.create(
+            model=model, input="What is my name?", previous_response_id=first.id,
+            max_output_tokens=RESTART_TOKENS, temperature=0,
+        )  # fmt: skip
+    assert second.previous_response_id == first.id and second.output_text.strip()
+    assert second.usage.input_tokens > first.usage.input_tokens + first.usage.output_tokens
+
+
 # --- LangChain ---------------------------------------------------------------------------
 
 
@@ -382,6 +472,39 @@ def test_openai_agents_runner_with_a_function_tool(server: str, model: str) -> N
         ),
     )  # fmt: skip
     result = asyncio.run(agents.Runner.run(agent, ASK_WEATHER, max_turns=3))
+    assert len(cities) == 1 and cities[0].strip()
+    kinds = [type(item) for item in result.new_items]
+    assert kinds == [agents.ToolCallItem, agents.ToolCallOutputItem, agents.MessageOutputItem]
+    assert isinstance(result.final_output, str) and result.final_output.strip()
+
+
+def test_openai_agents_default_responses_model_with_a_function_tool(
+    server: str, model: str
+) -> None:
+    agents.set_tracing_disabled(True)
+    cities: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        cities.append(city)
+        return weather_report(city)
+
+    # The SDK's default provider, given this server's client: its model is the Responses one.
+    provider = agents.OpenAIProvider(openai_client=async_api(server))
+    assert isinstance(provider.get_model(model), agents.OpenAIResponsesModel)
+    # The SDK's Responses model fails a reply cut by max_output_tokens (`incomplete`), so
+    # the budget holds the whole answer (about 70 tokens, greedily).
+    agent = agents.Agent(
+        name="weather", instructions="You answer questions about the weather.",
+        tools=[get_weather], model=model,
+        model_settings=agents.ModelSettings(
+            temperature=0, max_tokens=STRUCTURED_TOKENS, tool_choice="get_weather",
+            parallel_tool_calls=False,
+        ),
+    )  # fmt: skip
+    run_config = agents.RunConfig(model_provider=provider)
+    result = asyncio.run(agents.Runner.run(agent, ASK_WEATHER, max_turns=3, run_config=run_config))
     assert len(cities) == 1 and cities[0].strip()
     kinds = [type(item) for item in result.new_items]
     assert kinds == [agents.ToolCallItem, agents.ToolCallOutputItem, agents.MessageOutputItem]

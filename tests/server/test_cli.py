@@ -53,6 +53,8 @@ def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
         (["--dtype", "int3"], "invalid choice"),
         (["--port", "-5"], "invalid setting 'port'"),
         (["--kv-cache-memory", "lots"], "invalid setting 'kv_cache_memory'"),
+        (["--response-store", "/dev/null/in/a/file"], "cannot open the response store"),
+        (["--api-key-file", "/nonexistent/keys"], "invalid setting 'api_key_file'"),
     ],
 )
 def test_more_bad_settings_in_process(

@@ -81,3 +81,35 @@ def test_every_setting_has_a_flag() -> None:
         False,
         "x",
     )
+
+
+def test_several_api_keys_from_a_list_and_a_file(tmp_path: Path) -> None:
+    key_file = tmp_path / "keys"
+    key_file.write_text("# team a\nsk-a\n\n  sk-b  \n")
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(f"api_key: [sk-1, sk-2]\napi_key_file: {key_file}\n")
+    config = resolve_serve_config(config_file, {}, {})
+    assert config.api_keys() == ["sk-1", "sk-2", "sk-a", "sk-b"]
+    assert "sk-1" not in repr(config)
+    assert resolve_serve_config(None, {"api_key": "k"}, {}).api_keys() == ["k"]
+    assert resolve_serve_config(None, {}, {}).api_keys() == []
+
+
+@pytest.mark.parametrize(
+    ("setting", "words"),
+    [("api_key: []", "at least one key"), ("api_key: ['k', '']", "no empty one")],
+)
+def test_a_list_of_keys_may_not_be_empty(tmp_path: Path, setting: str, words: str) -> None:
+    config_file = tmp_path / "c.yaml"
+    config_file.write_text(setting + "\n")
+    with pytest.raises(ConfigError, match=f"api_key.*{words}"):
+        resolve_serve_config(config_file, {}, {})
+
+
+def test_a_key_file_must_hold_a_key(tmp_path: Path) -> None:
+    empty = tmp_path / "keys"
+    empty.write_text("# nobody yet\n\n")
+    with pytest.raises(ConfigError, match=r"api_key_file.*holds no key"):
+        resolve_serve_config(None, {"api_key_file": str(empty)}, {})
+    with pytest.raises(ConfigError, match=r"api_key_file.*cannot read"):
+        resolve_serve_config(None, {"api_key_file": str(tmp_path / "missing")}, {})

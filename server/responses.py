@@ -1,0 +1,303 @@
+"""POST /v1/responses (OpenAI's Responses API), and GET and DELETE of a stored response.
+
+A thin adapter over chat's path: the request becomes the chat completion request that
+asks the same (`responses_input.as_chat_request`), rendered by the chat template and run
+with chat's tool grammar and parser, on the one engine path (intake, admission, the
+sample's stops, sampling). What differs is the shape of the answer: output items and
+their stream events (`responses_output.OutputItems`), and the state: a response is kept
+(`store`, true unless false) in the SQLite store of `server.response_store`, for later
+requests' `previous_response_id` and for GET, as its API key's alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi import APIRouter, Depends, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+
+from engine.errors import EngineError
+from engine.request.intake import ChatTemplateError
+from server.admission import Deadline, request_deadline
+from server.auth import key_owner, require_api_key
+from server.chat_tools import ChatTools, ToolSyntax, template_inputs
+from server.disconnect import cancel_on_disconnect
+from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
+from server.errors import request_id as http_request_id
+from server.generation import count_usage, final_outputs, generate
+from server.responses_input import as_chat_request, stored_items
+from server.responses_output import Event, OutputItems, new_item_id
+from server.responses_protocol import (
+    FunctionChoice,
+    IncompleteDetails,
+    InputItem,
+    InputTokensDetails,
+    OutputItem,
+    OutputTokensDetails,
+    ResponseError,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+)
+from server.state import ServerState, server_state
+from server.streaming import SSEResponse
+from server.tools import ToolCallStream
+
+if TYPE_CHECKING:
+    from engine.async_llm import AsyncLLM
+    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.request.intake import EngineRequest
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+# The names a 400 may give as its `param`: the body's fields, and the format of its text.
+_FIELDS = set(ResponsesRequest.model_fields) | {"text.format"}
+
+
+@router.post("/v1/responses", response_model=None)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    state = server_state(request)
+    llm = state.ready_llm()
+    state.check_model(body.model)
+    deadline = request_deadline(state.config, request)
+    owner = key_owner(request)
+    earlier: list[InputItem] = []
+    if body.previous_response_id is not None:
+        stored = await state.responses.get(owner, body.previous_response_id)
+        if stored is None:
+            raise _not_found(body.previous_response_id, "previous_response_id")
+        earlier = stored_items(stored.conversation, stored.response["output"])
+    conversation = earlier + body.input_items()
+    chat_body = as_chat_request(body, conversation, first_new=len(earlier))
+    if body.tools and len(body.tools) > state.config.max_tools:
+        raise invalid_request(
+            f"tools must hold at most {state.config.max_tools} functions (the server's "
+            f"max_tools setting), got {len(body.tools)}",
+            "tools",
+        )
+    syntax, tools = state.tool_syntax(), ChatTools.of(chat_body)
+    aliases = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
+    with user_errors(_FIELDS, aliases=aliases):
+        params = chat_body.sampling_params(
+            max_tokens=body.max_output_tokens, logprobs=None, defaults=llm.default_sampling
+        )
+        if tools is not None and params.structured_outputs is None:
+            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
+            params = dataclasses.replace(
+                params, structured_outputs=tools.structured_outputs(syntax)
+            )
+        messages, template_tools = template_inputs(chat_body, syntax, tools)
+        try:
+            prompt = await llm.process_chat(messages, params, template_tools)
+        except ChatTemplateError as exc:
+            raise invalid_request(str(exc), "input") from exc
+    turn = _Turn(state, llm, body, prompt, syntax, tools, deadline, owner, conversation)
+    ticket = state.admission.admit(1)
+    if body.stream:
+        return SSEResponse(turn.events(http_request_id(request)), on_close=ticket.release)
+    with ticket:
+        final = await cancel_on_disconnect(request, turn.run())
+    response = turn.response(final)
+    await turn.keep(response)
+    return Response(response.model_dump_json(), media_type="application/json")
+
+
+@router.get("/v1/responses/{response_id}", response_model=None)
+async def get_response(response_id: str, request: Request) -> Response:
+    stored = await server_state(request).responses.get(key_owner(request), response_id)
+    if stored is None:
+        raise _not_found(response_id, None)
+    return JSONResponse(stored.response)
+
+
+@router.delete("/v1/responses/{response_id}", response_model=None)
+async def delete_response(response_id: str, request: Request) -> Response:
+    if not await server_state(request).responses.delete(key_owner(request), response_id):
+        raise _not_found(response_id, None)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+
+
+def _not_found(response_id: str, param: str | None) -> OpenAIError:
+    """The 404 of an id that is unknown, not stored, or another key's: the three read the
+    same, so nothing says whether a response of another key exists."""
+    where = f"{param}: " if param else ""
+    return OpenAIError(
+        404,
+        f"{where}no stored response has the id {response_id!r} (a response is kept only "
+        "with store true, and only the API key that created it can use it)",
+        param=param,
+        code="response_not_found",
+    )
+
+
+@dataclass(slots=True)
+class _Turn:
+    """One validated response request over one rendered prompt; `conversation` is its
+    input items, those of the responses before it included (what a stored response keeps)."""
+
+    state: ServerState
+    llm: AsyncLLM
+    body: ResponsesRequest
+    prompt: EngineRequest
+    syntax: ToolSyntax
+    tools: ChatTools | None
+    deadline: Deadline | None
+    owner: str
+    conversation: list[InputItem]
+    response_id: str = field(default_factory=lambda: new_item_id("resp"))
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    async def run(self) -> RequestOutput:
+        [final] = await final_outputs(
+            self.state, self.llm, [self.prompt], self.response_id, self.deadline
+        )
+        return final
+
+    def response(self, final: RequestOutput) -> ResponseObject:
+        """The whole response, built as a stream builds it."""
+        output, splitter = OutputItems(), self._splitter()
+        [completion] = final.outputs
+        output.text(completion.text if splitter is None else splitter.feed(completion.text))
+        self._finish(output, splitter, completion)
+        return self._object(output.items, final)
+
+    async def events(self, http_id: str) -> AsyncGenerator[str, None]:
+        """The SSE stream in OpenAI's order: `response.created` and `.in_progress`, each
+        item's events as it is built, then `response.completed` (`.incomplete` when
+        `max_output_tokens` cut the reply, `.failed` when the engine or the deadline ended
+        it). The response is stored before its last event is sent."""
+        numbered = _Numbered()
+        yield numbered.sse({"type": "response.created", "response": self._object([], None)})
+        yield numbered.sse({"type": "response.in_progress", "response": self._object([], None)})
+        output, splitter = OutputItems(), self._splitter()
+        whole: RequestOutput | None = None
+        try:
+            async for _, delta, latest in generate(
+                self.state, self.llm, [self.prompt], self.response_id, self.deadline
+            ):
+                whole = latest
+                for completion in delta.outputs:
+                    text = completion.text if splitter is None else splitter.feed(completion.text)
+                    for event in output.text(text):
+                        yield numbered.sse(event)
+                    if completion.finish_reason is not None:
+                        for event in self._finish(output, splitter, completion):
+                            yield numbered.sse(event)
+        except EngineError as exc:
+            failed = self._failed(output.items, engine_failure(http_id, exc), "server_error")
+            yield numbered.sse({"type": "response.failed", "response": failed})
+            return
+        except OpenAIError as exc:  # the deadline passed: what was sent stays sent
+            failed = self._failed(output.items, exc, exc.code or "request_timeout")
+            yield numbered.sse({"type": "response.failed", "response": failed})
+            return
+        assert whole is not None, "the engine's last output is always a finished one"
+        response = self._object(output.items, whole)
+        await self.keep(response)
+        yield numbered.sse({"type": f"response.{response.status}", "response": response})
+
+    async def keep(self, response: ResponseObject) -> None:
+        """Store `response` for its key, unless the request said `store: false`."""
+        if self.body.store is False:
+            return
+        conversation = [
+            item.model_dump(mode="json", by_alias=True, exclude_none=True)
+            for item in self.conversation
+        ]
+        await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
+
+    def _splitter(self) -> ToolCallStream | None:
+        """The splitter of the reply's text into content and calls, if tools are on."""
+        if self.tools is None:
+            return None
+        return ToolCallStream(self.syntax.format, self.tools.forced is not None)
+
+    def _finish(
+        self, output: OutputItems, splitter: ToolCallStream | None, completion: CompletionOutput
+    ) -> list[Event]:
+        rest, calls = "", []
+        if splitter is not None and self.tools is not None:
+            rest, parsed = splitter.finish()
+            calls = self.tools.as_response(parsed) if parsed else []
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        return output.finish(rest, calls, status)
+
+    def _object(self, items: list[OutputItem], final: RequestOutput | None) -> ResponseObject:
+        """The response with `items`: in progress until `final`, the finished output."""
+        body, params = self.body, self.prompt.params
+        status, usage, now = "in_progress", None, None
+        if final is not None:
+            cut = final.outputs[0].finish_reason == "length"
+            status, usage, now = ("incomplete" if cut else "completed"), _usage(final), time.time()
+        choice = body.tool_choice
+        return ResponseObject(
+            id=self.response_id,
+            created_at=self.created,
+            completed_at=None if now is None else int(now),
+            status=status,
+            incomplete_details=IncompleteDetails(reason="max_output_tokens")
+            if status == "incomplete"
+            else None,
+            instructions=body.instructions,
+            max_output_tokens=body.max_output_tokens,
+            model=self.state.model_name,
+            output=items,
+            parallel_tool_calls=body.parallel_tool_calls is not False,
+            previous_response_id=body.previous_response_id,
+            store=body.store is not False,
+            temperature=params.temperature,
+            top_p=params.top_p,
+            text={"format": body.text_format.model_dump(by_alias=True, exclude_none=True)},
+            tool_choice=choice.model_dump()
+            if isinstance(choice, FunctionChoice)
+            else choice or "auto",
+            tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
+            usage=usage,
+            metadata=body.metadata,
+        )
+
+    def _failed(self, items: list[OutputItem], error: OpenAIError, code: str) -> ResponseObject:
+        failed = self._object(items, None)
+        failed.status = "failed"
+        failed.error = ResponseError(code=code, message=error.message)
+        return failed
+
+
+def _usage(final: RequestOutput) -> ResponseUsage:
+    usage = count_usage([final])
+    return ResponseUsage(
+        input_tokens=usage.prompt_tokens,
+        input_tokens_details=InputTokensDetails(
+            cached_tokens=usage.prompt_tokens_details.cached_tokens
+        ),
+        output_tokens=usage.completion_tokens,
+        output_tokens_details=OutputTokensDetails(),
+        total_tokens=usage.total_tokens,
+    )
+
+
+class _Numbered:
+    """Frames a stream's events as OpenAI does (`event:` and `data:` lines), numbering
+    them from 0 in the order sent."""
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def sse(self, event: Event) -> str:
+        number, self._next = self._next, self._next + 1
+        data = json.dumps(_as_json({**event, "sequence_number": number}), ensure_ascii=False)
+        return f"event: {event['type']}\ndata: {data}\n\n"
+
+
+def _as_json(value: Any) -> Any:
+    """`value` with the pydantic models inside it dumped (an event holds items and parts)."""
+    if isinstance(value, dict):
+        return {key: _as_json(item) for key, item in value.items()}
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    return value
