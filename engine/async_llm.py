@@ -136,6 +136,7 @@ class AsyncLLM:
             engine.max_model_len,
             engine.grammars,
             engine.processor.limits,
+            engine.processor.scheduling_policy,
         )
         # The ids grammars match only as tokens (Qwen's <tool_call> and <think> among them).
         self.special_tokens = SpecialTokens.of(engine.tokenizer, engine.vocab_size)
@@ -159,6 +160,10 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def sequences_by_priority(self) -> dict[str, dict[int, int]]:
+        """`LLMEngine.sequences_by_priority`, read from this thread."""
+        return self.engine.sequences_by_priority()
 
     async def snapshot(self) -> EngineSnapshot:
         """The engine's state between two steps (`LLMEngine.snapshot`), taken on the engine

@@ -44,6 +44,7 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "min_tokens",
+    "priority",
 )
 
 
@@ -242,6 +243,9 @@ class SamplingRequest(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # A lower value is served first under the priority scheduling policy (vLLM's); the fcfs
+    # policy refuses any but 0 (engine/request/intake.py).
+    priority: int | None = None
     # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None

@@ -102,7 +102,9 @@ class SamplingParams:
     0), `logit_bias` maps non-negative int token ids to finite biases in [-100, 100] (the
     engine's intake checks the ids against the vocabulary), and every field is in range;
     otherwise `__post_init__` raises `ValueError` whose
-    message starts with the parameter's name.
+    message starts with the parameter's name. `priority` is not a sampling setting but the
+    request's place under the priority scheduling policy (vLLM's `priority`: a lower value
+    first); an engine under the fcfs policy refuses any but 0 at intake.
     """
 
     n: int = 1
@@ -124,9 +126,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
+        _check_int("priority", self.priority)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("temperature", self.temperature, low=0.0)

@@ -119,6 +119,7 @@ def _sampling_params(body: MessagesRequest, defaults: dict[str, Any]) -> Samplin
         "top_p": body.top_p,
         "top_k": body.top_k,
         "stop": body.stop_sequences,
+        "priority": body.priority,
     }
     values = with_defaults(requested, defaults)
     output = body.output_config

@@ -287,6 +287,9 @@ class MessagesRequest(_Conversation):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    # An extension, as on the OpenAI endpoints: vLLM's request priority (a lower value is
+    # served first under the priority scheduling policy).
+    priority: int | None = None
 
     @model_validator(mode="after")
     def _budget_below_max_tokens(self) -> MessagesRequest:
