@@ -141,20 +141,25 @@ class RequestProcessor:
         messages: list[Message],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> EngineRequest:
         """The conversation through the tokenizer's chat template, assistant turn opened."""
-        return self._checked(self.render_chat(messages, tools=tools), params, None)
+        prompt = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self._checked(prompt, params, None)
 
     def render_chat(
         self,
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of the conversation through the tokenizer's chat template, as chat
         requests see it (`add_generation_prompt` opens the assistant's turn; `tools`, in
-        OpenAI's shape, go to the template as transformers passes them); unchecked.
-        Raises ChatTemplateError if the template refuses the conversation."""
+        OpenAI's shape, go to the template as transformers passes them; `template_kwargs`
+        are more variables for the template, as vLLM's `chat_template_kwargs`, such as
+        Qwen3's `enable_thinking`); unchecked. Raises ChatTemplateError if the template
+        refuses the conversation."""
         try:
             token_ids: list[int] = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
                 messages,
@@ -162,6 +167,7 @@ class RequestProcessor:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                **(template_kwargs or {}),
             )
         except (TemplateError, ValueError) as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
@@ -214,7 +220,7 @@ class RequestProcessor:
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs: this processor has no grammar compiler")
-            grammar = self.grammars.compile(params.structured_outputs)
+            grammar = self.grammars.compile(params.structured_outputs, token_ids)
         return EngineRequest(token_ids, params, max_tokens, prompt, grammar)
 
 
