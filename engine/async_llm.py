@@ -20,7 +20,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -136,6 +136,7 @@ class AsyncLLM:
             engine.max_model_len,
             engine.grammars,
             engine.processor.limits,
+            engine.processor.scheduling_policy,
         )
         # The ids grammars match only as tokens (Qwen's <tool_call> and <think> among them).
         self.special_tokens = SpecialTokens.of(engine.tokenizer, engine.vocab_size)
@@ -159,6 +160,10 @@ class AsyncLLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+    def sequences_by_priority(self) -> dict[str, dict[int, int]]:
+        """`LLMEngine.sequences_by_priority`, read from this thread."""
+        return self.engine.sequences_by_priority()
 
     async def snapshot(self) -> EngineSnapshot:
         """The engine's state between two steps (`LLMEngine.snapshot`), taken on the engine
@@ -192,10 +197,14 @@ class AsyncLLM:
         messages: list[Message],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> EngineRequest:
-        """Render a conversation (with `tools` for the chat template) and validate it on the
-        intake thread; ValueError (a `ChatTemplateError` when the template refuses it)."""
-        return await self._on_intake(self._processor.from_chat, messages, params, tools)
+        """Render a conversation (with `tools` and `template_kwargs` for the chat template,
+        see `RequestProcessor.render_chat`) and validate it on the intake thread; ValueError
+        (a `ChatTemplateError` when the template refuses it)."""
+        return await self._on_intake(
+            self._processor.from_chat, messages, params, tools, template_kwargs
+        )
 
     async def decode(self, token_ids: Sequence[int]) -> str:
         """The text of `token_ids`; ValueError naming `tokens` for an id out of vocabulary."""
@@ -210,12 +219,13 @@ class AsyncLLM:
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
-        """The token ids of a conversation (with `tools` for the chat template) as chat
-        requests render it (unchecked against limits); ChatTemplateError when the template
-        refuses it."""
+        """The token ids of a conversation (with `tools` and `template_kwargs` for the chat
+        template) as chat requests render it (unchecked against limits); ChatTemplateError
+        when the template refuses it."""
         return await self._on_intake(
-            self._processor.render_chat, messages, add_generation_prompt, tools
+            self._processor.render_chat, messages, add_generation_prompt, tools, template_kwargs
         )
 
     async def token_strs(self, token_ids: Sequence[int]) -> list[str]:

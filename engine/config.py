@@ -27,6 +27,7 @@ from pydantic import (
 
 from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
 from engine.sampling.params import RequestLimits
+from scheduler import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +79,14 @@ class EngineConfig(BaseModel):
     )
     enable_chunked_prefill: bool = Field(
         True, description="split long prompts into chunks that share steps with decodes"
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        "fcfs",
+        description="the order waiting requests are admitted in, as vLLM's: fcfs (first "
+        "come, first served; a request's priority other than 0 is refused) or priority (a "
+        "lower request priority first, then arrival; when the KV cache is full, the running "
+        "request of the highest priority value, latest arrival, is preempted first, also to "
+        "admit a waiting request of a lower value); default: fcfs",
     )
     # Attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
     # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +131,7 @@ class LLMEngine:
             max_num_batched_tokens=config.max_num_batched_tokens,
             enable_chunked_prefill=config.enable_chunked_prefill,
             sliding_window=self.kv_layout.sliding_window,
+            policy=config.scheduling_policy,
         )
         self.sampler = Sampler(config.seed, self.device)
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -139,6 +141,7 @@ class LLMEngine:
             self.max_model_len,
             self.grammars,
             config.request_limits(),
+            config.scheduling_policy,
         )
         self._token_texts = TokenTexts(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
@@ -417,6 +420,16 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
         )
 
+    def sequences_by_priority(self) -> dict[str, dict[int, int]]:
+        """How many unfinished sequences are "running" and "waiting", by priority (those
+        with none are left out). Another thread may call it: the scheduler's lists are
+        copied whole, in one C call each, under the GIL. O(sequences), so it is not a part
+        of `stats()`, which admission reads on every request."""
+        return {
+            "running": dict(Counter(seq.priority for seq in self.scheduler.running())),
+            "waiting": dict(Counter(seq.priority for seq in self.scheduler.waiting())),
+        }
+
     def snapshot(self) -> EngineSnapshot:
         """The block map, the unfinished sequences and `stats()` as of now; call it between
         steps, on the thread that drives the engine. O(num_kv_blocks + sequences): about
@@ -425,6 +438,7 @@ class LLMEngine:
         sequences = self.scheduler.running() + self.scheduler.waiting()
         return EngineSnapshot(
             stats=self.stats(),
+            scheduling_policy=self.scheduler.policy,
             block_map=self.scheduler.block_map(),
             sequences=tuple(SequenceSnapshot.of(seq, now) for seq in sequences),
         )

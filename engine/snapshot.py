@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cache import BlockState
-from scheduler import Sequence, SequenceStatus
+from scheduler import SchedulingPolicy, Sequence, SequenceStatus
 
 __all__ = ["BlockState", "EngineSnapshot", "EngineStats", "SequenceSnapshot"]
 
@@ -35,12 +35,14 @@ class SequenceSnapshot:
 
     `age` and `time_to_first_token` are seconds since the request arrived, the latter None
     until the sequence has sampled a token. A preempted sequence is waiting, keeps its
-    output tokens and has `computed_tokens == 0`.
+    output tokens and has `computed_tokens == 0`. `priority` is its request's (0 unless
+    the engine schedules by priority).
     """
 
     seq_id: str
     request_id: str
     status: Literal["running", "waiting"]
+    priority: int
     prompt_tokens: int
     output_tokens: int
     max_tokens: int
@@ -58,6 +60,7 @@ class SequenceSnapshot:
             seq_id=seq.seq_id,
             request_id=seq.request_id,
             status="running" if seq.status is SequenceStatus.RUNNING else "waiting",
+            priority=seq.priority,
             prompt_tokens=seq.num_prompt_tokens,
             output_tokens=seq.num_output_tokens,
             max_tokens=seq.max_tokens,
@@ -77,10 +80,11 @@ class EngineSnapshot:
     block by block id; its USED and SHARED characters number `stats.used_kv_blocks` and
     its CACHED ones `stats.cached_free_kv_blocks`. `sequences` holds the running sequences
     in admission order (`stats.num_running` of them), then the waiting ones in the order
-    they will be admitted (`stats.num_waiting`).
+    they will be admitted (`stats.num_waiting`). `scheduling_policy` is the order's.
     """
 
     stats: EngineStats
+    scheduling_policy: SchedulingPolicy
     block_map: str
     sequences: tuple[SequenceSnapshot, ...]
 

@@ -48,8 +48,8 @@ class PromptHasher:
                 return self.processor.encode(prompt) if isinstance(prompt, str) else prompt
             if path == CHAT_COMPLETIONS:
                 chat = ChatCompletionRequest.model_validate_json(body)
-                messages, tools = template_inputs(chat, self.syntax, ChatTools.of(chat))
-                return self.processor.render_chat(messages, tools=tools)
+                messages, tools, variables = template_inputs(chat, self.syntax, ChatTools.of(chat))
+                return self.processor.render_chat(messages, tools=tools, template_kwargs=variables)
         except ValueError:  # pydantic's ValidationError, or the chat template's refusal
             return None
         return None

@@ -3,23 +3,33 @@
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Sequence as SequenceOf
 
 from cache import AllocStatus, BlockManager, CacheStats, cdiv
 from scheduler.scheduler_output import ScheduledSequence, SchedulerOutput
 from scheduler.sequence import FinishReason, Sequence, SequenceStatus
+from scheduler.waiting_queue import SchedulingPolicy, priority_rank, waiting_queue
 
 
 class Scheduler:
-    """FCFS scheduler with chunked prefill and preemption by recompute.
+    """Continuous batching with chunked prefill and preemption by recompute, under a
+    scheduling policy (vLLM's): `fcfs`, first come first served, or `priority`, a lower
+    `Sequence.priority` value first, then earlier arrival.
 
     Invariants:
-    - Every unfinished sequence is in exactly one of `_waiting` (arrival order, preempted
-      ones in front) and `_running` (admission order); only running ones hold blocks.
+    - Every unfinished sequence is in exactly one of `_waiting` (in admission order, see
+      `scheduler.waiting_queue`) and `_running` (admission order); only running ones hold
+      blocks.
     - `len(_running) <= max_num_seqs`.
     - A step's batch never exceeds `max_num_batched_tokens` tokens or `max_num_seqs`
       sequences, and a sequence preempted in a step is not scheduled in that step.
+    - Running sequences are served in rank order (`_ranked_running`: admission order under
+      fcfs, priority then arrival under priority) and preempted from its far end (the
+      newest admitted; the highest priority value, latest arrival), so a victim is never
+      one the step already scheduled. Under priority, a waiting sequence that cannot be
+      admitted for want of blocks or of a sequence slot also preempts running ones of a
+      higher priority value (`_preempt_for_waiting`); equal priorities never preempt each
+      other for admission, so they share the cache first come, first served.
 
     Call order per step: `schedule()`, run the model on its output, `update()` with the
     sampled tokens, then `finish()` the sequences that stopped. The block manager is the
@@ -37,6 +47,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         enable_chunked_prefill: bool = True,
         sliding_window: int = 0,
+        policy: SchedulingPolicy = "fcfs",
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -49,7 +60,8 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
-        self._waiting: deque[Sequence] = deque()
+        self.policy = policy
+        self._waiting = waiting_queue(policy)
         # A dict keeps admission order and gives O(1) removal on finish and abort.
         self._running: dict[str, Sequence] = {}
         self._unfinished: dict[str, Sequence] = {}
@@ -74,24 +86,29 @@ class Scheduler:
         return bool(self._unfinished)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence behind everything that arrived before it."""
+        """Queue a new sequence: behind everything that arrived before it (fcfs), or behind
+        everything of its priority or a lower value (priority)."""
         if seq.seq_id in self._unfinished:
             raise ValueError(f"sequence {seq.seq_id!r} is already scheduled")
         if seq.status is not SequenceStatus.WAITING or seq.num_computed_tokens:
             raise ValueError(f"sequence {seq.seq_id!r} is not a fresh waiting sequence")
         if not seq.prompt_token_ids:
             raise ValueError(f"sequence {seq.seq_id!r} has an empty prompt")
-        self._waiting.append(seq)
+        self._waiting.add(seq)
         self._unfinished[seq.seq_id] = seq
         self._requests.setdefault(seq.request_id, []).append(seq)
 
     def schedule(self) -> SchedulerOutput:
-        """Decide this step's batch: running sequences first, then waiting ones (FCFS)."""
+        """Decide this step's batch: running sequences first, then waiting ones in the
+        policy's order."""
         output = SchedulerOutput()
+        if self.policy == "priority":
+            self._preempt_for_waiting(output)
         token_budget = self._schedule_running(output)
         # After a preemption the blocks left belong to the running sequences' growth: admitting
         # now would run the victim in the step it was preempted from, or hand them to a
-        # newcomer that the next step would preempt again.
+        # newcomer that the next step would preempt again. (A sequence that preempted for
+        # admission is admitted in the next step.)
         if not output.preempted:
             self._admit_waiting(output, token_budget)
         output.freed, self._freed = self._freed, []
@@ -155,7 +172,22 @@ class Scheduler:
 
     def waiting(self) -> list[Sequence]:
         """The waiting sequences in the order they will be admitted (a new list)."""
-        return list(self._waiting)
+        return self._waiting.sequences()
+
+    def _ranked_running(self) -> list[Sequence]:
+        """The running sequences, the one preempted last first: admission order (fcfs), or
+        by priority then arrival, admission order among equals (priority)."""
+        running = list(self._running.values())
+        if self.policy == "priority":
+            running.sort(key=priority_rank)
+        return running
+
+    def _lowest_running(self) -> Sequence:
+        """The running sequence preempted first: the last of `_ranked_running()`."""
+        if self.policy == "priority":
+            # max() keeps the first of equals: reversed, that is the newest admitted.
+            return max(reversed(self._running.values()), key=priority_rank)
+        return next(reversed(self._running.values()))
 
     def reset_prefix_cache(self) -> None:
         """Forget every prefix-cache registration (after a step whose K/V may be unwritten)."""
@@ -166,13 +198,13 @@ class Scheduler:
         self._freed.append(seq.seq_id)
 
     def _schedule_running(self, output: SchedulerOutput) -> int:
-        """Give running sequences their tokens in admission order; return the budget left.
+        """Give running sequences their tokens in rank order; return the budget left.
 
-        Preemption victims are taken from the back of `_running`, i.e. never a sequence
+        Preemption victims are taken from the far end of that order, i.e. never a sequence
         this loop already scheduled, so the batch stays valid.
         """
         token_budget = self.max_num_batched_tokens
-        for seq in list(self._running.values()):
+        for seq in self._ranked_running():
             if token_budget == 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:
@@ -194,11 +226,11 @@ class Scheduler:
     def _grow_or_preempt(
         self, seq: Sequence, num_slots: int, output: SchedulerOutput
     ) -> list[int] | None:
-        """Make `seq`'s block table hold `num_slots` tokens, preempting the most recently
-        admitted sequences until it fits; return the blocks added, or None if `seq` itself
+        """Make `seq`'s block table hold `num_slots` tokens, preempting the lowest ranked
+        running sequences until it fits; return the blocks added, or None if `seq` itself
         had to be preempted."""
         while (new_blocks := self.block_manager.grow(seq.seq_id, num_slots)) is None:
-            victim = next(reversed(self._running.values()))
+            victim = self._lowest_running()
             self._preempt(victim)
             output.preempted.append(victim)
             if victim is seq:
@@ -206,19 +238,39 @@ class Scheduler:
         return new_blocks
 
     def _preempt(self, seq: Sequence) -> None:
-        # Recompute rather than swap: free everything, keep the output, and go back to the
-        # front of the queue so the sequence is the next admitted. Preempting newest first
-        # and pushing each to the front keeps the preempted ones in admission order.
+        # Recompute rather than swap: free everything, keep the output, and queue again
+        # (under fcfs at the front, see `FcfsQueue.requeue`).
         del self._running[seq.seq_id]
         self._free_blocks(seq)
         seq.status = SequenceStatus.WAITING
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self._num_preemptions += 1
-        self._waiting.appendleft(seq)
+        self._waiting.requeue(seq)
+
+    def _preempt_for_waiting(self, output: SchedulerOutput) -> None:
+        """Priority policy: while the queue's head cannot be admitted for want of KV blocks
+        or of a sequence slot, preempt the lowest ranked running sequence if its priority
+        value is higher than the head's. The head is admitted in a later step (this one
+        admits nothing, having preempted), unless running sequences grew into the freed
+        blocks first; then it preempts again."""
+        manager = self.block_manager
+        while self._waiting and self._running:
+            head = self._waiting.peek()
+            victim = self._lowest_running()
+            if victim.priority <= head.priority:
+                return
+            if not self.enable_chunked_prefill and head.num_tokens > self.max_num_batched_tokens:
+                return  # admission rejects it
+            if len(self._running) < self.max_num_seqs:
+                status = manager.can_allocate(head.token_ids, head.block_hashes)
+                if status is not AllocStatus.LATER:
+                    return  # it fits, or it never will (admission rejects it)
+            self._preempt(victim)
+            output.preempted.append(victim)
 
     def _admit_waiting(self, output: SchedulerOutput, token_budget: int) -> None:
-        """Admit waiting sequences in FCFS order while both budgets and the cache allow.
+        """Admit waiting sequences in queue order while both budgets and the cache allow.
 
         A head that must wait (LATER, or its whole prompt does not fit this step without
         chunked prefill) stops admission, so later arrivals cannot overtake it forever; a
@@ -226,7 +278,7 @@ class Scheduler:
         """
         manager = self.block_manager
         while self._waiting and token_budget > 0 and len(self._running) < self.max_num_seqs:
-            seq = self._waiting[0]
+            seq = self._waiting.peek()
             if not self.enable_chunked_prefill:
                 if seq.num_tokens > self.max_num_batched_tokens:
                     self._reject(seq, self._too_long_for_batch(seq), output)
@@ -242,7 +294,7 @@ class Scheduler:
                 continue
             if status is AllocStatus.LATER:
                 break
-            self._waiting.popleft()
+            self._waiting.pop()
             num_cached_tokens = manager.allocate(seq.seq_id, token_ids, seq.block_hashes)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached_tokens

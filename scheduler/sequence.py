@@ -28,6 +28,8 @@ class Sequence:
       `token_ids` (prompt, then output) have K/V in the cache. A WAITING sequence has none,
       including one that was preempted: it keeps its output and recomputes all of it.
     - `finish_reason` is set exactly when `status` is FINISHED.
+    - `priority` orders the sequence under the priority scheduling policy, a lower value
+      first (vLLM's meaning); the FCFS policy ignores it.
     - `block_hashes` holds the chained prefix-cache hashes of the first full blocks of
       `token_ids` (see `cache.extend_block_hashes`); the block manager extends it as it
       needs more, so each block of the sequence is hashed once in its life.
@@ -39,6 +41,7 @@ class Sequence:
     # The engine stops the sequence at this many output tokens; the scheduler never reads it.
     max_tokens: int
     index: int = 0
+    priority: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None

@@ -38,7 +38,7 @@ from server.protocol import (
     ResponseToolCall,
     Usage,
 )
-from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
+from server.reasoning import ReasoningStream, ReasoningSyntax, answer_only, split_reasoning
 from server.rendered_prompt import rendered_prompt
 from server.state import ServerState, server_state
 from server.streaming import DONE, SSEResponse, sse
@@ -75,28 +75,31 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             f"max_tools setting), got {len(body.tools)}",
             "tools",
         )
-    syntax, tools = state.tool_syntax(), ChatTools.of(body)
+    syntax, tools, reasoning = state.tool_syntax(), ChatTools.of(body), state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
             max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
         )
         # The grammar of the tools' calls, unless the request constrains the reply itself
-        # (only in `auto` mode: structured outputs cannot come with a forced call).
-        if tools is not None and params.structured_outputs is None:
+        # (only in `auto` mode: structured outputs cannot come with a forced call). Either
+        # holds the answer only, after the reasoning; `auto` leaves all before a call free.
+        spec = answer_only(params.structured_outputs, reasoning)
+        if tools is not None and spec is None:
             aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            params = dataclasses.replace(
-                params, structured_outputs=tools.structured_outputs(syntax)
-            )
+            spec = tools.structured_outputs(syntax)
+            if tools.forced is not None:
+                spec = answer_only(spec, reasoning)
+        params = dataclasses.replace(params, structured_outputs=spec)
         rendered = rendered_prompt(request)
         if rendered is not None:
             prompt = await llm.process_rendered(rendered, params)
         else:
-            messages, template_tools = template_inputs(body, syntax, tools)
+            messages, template_tools, variables = template_inputs(body, syntax, tools)
             try:
-                prompt = await llm.process_chat(messages, params, template_tools)
+                prompt = await llm.process_chat(messages, params, template_tools, variables)
             except ChatTemplateError as exc:
                 raise invalid_request(str(exc), "messages") from exc
-    chat = _Chat(state, llm, body, prompt, syntax, tools, state.reasoning_syntax(), deadline)
+    chat = _Chat(state, llm, body, prompt, syntax, tools, reasoning, deadline)
     ticket = state.admission.admit(params.n)
     if body.stream:
         return SSEResponse(chat.events(http_request_id(request)), on_close=ticket.release)

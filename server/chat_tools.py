@@ -142,12 +142,12 @@ def conversation(
 
 def template_inputs(
     body: ChatCompletionRequest, syntax: ToolSyntax, tools: ChatTools | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and the `tools` argument the chat template renders for `body`: what
-    `/v1/chat/completions` tokenizes, so anything that predicts its prompt (the scale-out
-    router) renders the same tokens."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]:
+    """The messages, the `tools` argument and the other variables (`chat_template_kwargs`)
+    the chat template renders for `body`: what `/v1/chat/completions` tokenizes, so
+    anything that predicts its prompt (the scale-out router) renders the same tokens."""
     template_tools = tools.for_template(syntax) if tools is not None else None
-    return conversation(body.messages, syntax, tools), template_tools
+    return conversation(body.messages, syntax, tools), template_tools, body.chat_template_kwargs
 
 
 def _message(message: ChatMessage, syntax: ToolSyntax | None) -> dict[str, Any]:

@@ -52,9 +52,13 @@ class DashboardState(BaseModel):
 
     time: float = Field(description="Unix time of the snapshot")
     model: str
+    scheduling_policy: str = Field(
+        description="fcfs or priority: the order of the waiting sequences"
+    )
     blocks: BlockMap
     sequences: list[SequenceSnapshot] = Field(
-        description="running ones in admission order, then waiting ones in queue order"
+        description="running ones in admission order, then waiting ones in queue order "
+        "(by priority, then arrival, under the priority policy)"
     )
     totals: EngineStats = Field(description="counters since start and current levels")
     prefix_cache_hit_rate: float | None = Field(
@@ -90,6 +94,7 @@ async def dashboard_state(request: Request) -> DashboardState:
     return DashboardState(
         time=time.time(),
         model=state.model_name,
+        scheduling_policy=snapshot.scheduling_policy,
         blocks=BlockMap(
             block_size=llm.block_size,
             states=snapshot.block_map,

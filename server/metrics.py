@@ -94,6 +94,30 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
 
 
+class PriorityCollector(Collector):
+    """Exports the unfinished sequences by status and priority, one sample per priority
+    that has sequences now (`LLMEngine.sequences_by_priority`); pagedserve's own, with no
+    vLLM twin. Under the fcfs policy every sequence has priority 0."""
+
+    def __init__(self, by_priority: Callable[[], dict[str, dict[int, int]] | None]) -> None:
+        self._by_priority = by_priority
+
+    def collect(self) -> Iterator[Metric]:
+        counts = self._by_priority()
+        if counts is None:
+            return
+        for status, documentation in (
+            ("running", "Sequences being computed, by request priority."),
+            ("waiting", "Sequences waiting to be scheduled, by request priority."),
+        ):
+            family = GaugeMetricFamily(
+                f"{PREFIX}num_requests_{status}_by_priority", documentation, labels=["priority"]
+            )
+            for priority, count in sorted(counts[status].items()):
+                family.add_metric([str(priority)], count)
+            yield family
+
+
 class VllmTwinCollector(Collector):
     """Exports the families of `sources`, each one named in `VLLM_TWINS` followed by its
     twin: the same samples under vLLM's name, labelled `model_name` with the served name.
@@ -134,10 +158,13 @@ class ServerMetrics:
     with its vLLM twin once a model is loaded (see `VllmTwinCollector`)."""
 
     def __init__(
-        self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str | None]
+        self,
+        stats: Callable[[], EngineStats | None],
+        model_name: Callable[[], str | None],
+        by_priority: Callable[[], dict[str, dict[int, int]] | None],
     ) -> None:
-        """`stats` is the engine's snapshot and `model_name` the served name, both None
-        until the engine is loaded."""
+        """`stats` is the engine's snapshot, `model_name` the served name and `by_priority`
+        the sequences by status and priority, all None until the engine is loaded."""
         self.registry = CollectorRegistry()
         # The histograms join no registry by themselves: the twin collector exports them.
         self.time_to_first_token = Histogram(
@@ -162,6 +189,7 @@ class ServerMetrics:
         self.registry.register(
             VllmTwinCollector([EngineStatsCollector(stats), *latencies], model_name)
         )
+        self.registry.register(PriorityCollector(by_priority))
         # Admission control (server/admission.py); pagedserve's own, with no vLLM twin.
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected",

@@ -44,6 +44,7 @@ _SAMPLING_FIELDS = (
     "stop_token_ids",
     "ignore_eos",
     "min_tokens",
+    "priority",
 )
 
 
@@ -81,7 +82,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "truncate_prompt_tokens": "prompt truncation is not implemented; a long prompt is a 400",
     "add_special_tokens": "prompts are always tokenized the one way, as /tokenize shows",
     "chat_template": "the model's own chat template is always used",
-    "chat_template_kwargs": "the model's own chat template is always used as it is",
     "add_generation_prompt": "the assistant's turn is always opened",
     "continue_final_message": "the assistant's turn is always opened",
     "skip_special_tokens": "detokenization settings are not exposed",
@@ -90,6 +90,15 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "return_tokens_as_token_ids": "logprobs always name tokens by their text",
     "continuous_usage_stats": "usage is reported once, in the last chunk",
 }
+
+# Arguments of transformers' `apply_chat_template` that the server sets itself: not
+# variables a request may give the template in `chat_template_kwargs` (vLLM refuses
+# `chat_template` and `tokenize` there).
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
+    "tools", "documents", "conversation", "messages", "return_dict", "return_tensors",
+    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})  # fmt: skip
 
 # The pydantic error type of `field_error`; `server.errors` names its field as `param`.
 FIELD_ERROR = "field_error"
@@ -242,6 +251,9 @@ class SamplingRequest(_Body):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    # A lower value is served first under the priority scheduling policy (vLLM's); the fcfs
+    # policy refuses any but 0 (engine/request/intake.py).
+    priority: int | None = None
     # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -454,6 +466,14 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's: more variables for the chat template (Qwen3's `enable_thinking: false` turns
+    # its thinking off); one the template does not read changes nothing, as in vLLM.
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _template_kwargs_are_variables(self) -> ChatCompletionRequest:
+        _check_template_kwargs(self.chat_template_kwargs)
+        return self
 
     @model_validator(mode="after")
     def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
@@ -477,6 +497,11 @@ class ChatCompletionRequest(SamplingRequest):
         return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
 
 
+def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
+    for key in sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys()):
+        raise field_error(("chat_template_kwargs", key), "not supported: the server sets it")
+
+
 class TokenizeRequest(_Body):
     """vLLM's POST /tokenize. Invariant: exactly one of `prompt` (tokenized as completions
     tokenize it, `add_special_tokens` aside) or `messages` (rendered as chat renders them,
@@ -487,6 +512,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool | None = None
     add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as chat's
     return_token_strs: bool | None = False
 
     @model_validator(mode="after")
@@ -495,8 +521,10 @@ class TokenizeRequest(_Body):
             raise field_error((), "needs exactly one of prompt and messages")
         if self.prompt is None and self.add_special_tokens is not None:
             raise field_error("add_special_tokens", "applies to a prompt, not to messages")
-        if self.messages is None and self.add_generation_prompt is not None:
-            raise field_error("add_generation_prompt", "applies to messages, not to a prompt")
+        for field in ("add_generation_prompt", "chat_template_kwargs"):
+            if self.messages is None and getattr(self, field) is not None:
+                raise field_error(field, "applies to messages, not to a prompt")
+        _check_template_kwargs(self.chat_template_kwargs)
         return self
 
 

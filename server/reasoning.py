@@ -12,20 +12,21 @@ A parser is chosen per server (`reasoning_parser`; `auto` reads the chat templat
 - `none`: every reply is all answer.
 
 A reply cut short before `</think>` is all reasoning. Whitespace around the reasoning and
-before the answer is dropped. Tool calls and structured outputs are read from the answer
-only (server/chat.py, server/anthropic/).
+before the answer is dropped. Tool calls are read from the answer only, and structured
+outputs and forced tool calls hold the answer only (`answer_only`): the reasoning before
+it is free (server/chat.py, server/anthropic/).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from engine.sampling.params import ReasoningBlock, StructuredOutputs
+
 REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
-START, END = "<think>", "</think>"
-# How near the prompt's end an unclosed `<think>` token opens the reply's reasoning: the
-# token and the newline or two a template writes after it.
-_OPENING_TAIL = 3
+START, END = ReasoningBlock.START, ReasoningBlock.END
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,17 +52,13 @@ class ReasoningSyntax:
             return None
         return cls(setting == "deepseek_r1", tokens.get(START), tokens.get(END))
 
+    def block(self) -> ReasoningBlock:
+        """The thinking as a grammar leaves it free (`StructuredOutputs.reasoning`)."""
+        return ReasoningBlock(self.always_open, self.start_id, self.end_id)
+
     def opens_in_reasoning(self, prompt_token_ids: Sequence[int]) -> bool:
         """Whether a reply to this prompt begins inside its reasoning."""
-        if self.always_open:
-            return True
-        if self.start_id is None:
-            return False
-        tail = list(prompt_token_ids[-_OPENING_TAIL:])
-        if self.start_id not in tail:
-            return False
-        opened = len(tail) - 1 - tail[::-1].index(self.start_id)
-        return self.end_id not in tail[opened:]
+        return self.block().opening(prompt_token_ids) == "inside"
 
     def stream(self, prompt_token_ids: Sequence[int]) -> ReasoningStream:
         """The splitter of one reply to this prompt."""
@@ -126,6 +123,16 @@ class ReasoningStream:
         if not self._begun:
             self._held = self._held.lstrip()
             self._begun = bool(self._held)
+
+
+def answer_only(
+    spec: StructuredOutputs | None, syntax: ReasoningSyntax | None
+) -> StructuredOutputs | None:
+    """`spec` holding the answer of a reply only, the reasoning before it free, when the
+    model reasons (`syntax`); as it is otherwise."""
+    if spec is None or syntax is None:
+        return spec
+    return dataclasses.replace(spec, reasoning=syntax.block())
 
 
 def split_reasoning(

@@ -40,7 +40,9 @@ class ServerState:
     _tool_syntax: ToolSyntax | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.engine_stats, self.loaded_model_name)
+        self.metrics = ServerMetrics(
+            self.engine_stats, self.loaded_model_name, self.engine_sequences_by_priority
+        )
         self.admission = Admission(
             max_queued(self.config),
             self.config.max_num_seqs,
@@ -53,6 +55,9 @@ class ServerState:
 
     def engine_stats(self) -> EngineStats | None:
         return None if self.llm is None else self.llm.stats()
+
+    def engine_sequences_by_priority(self) -> dict[str, dict[int, int]] | None:
+        return None if self.llm is None else self.llm.sequences_by_priority()
 
     def engine_waiting(self) -> int:
         """Sequences the engine's scheduler holds waiting (0 while it loads)."""

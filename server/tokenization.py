@@ -35,7 +35,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         add_generation_prompt = body.add_generation_prompt is not False
         try:
             tokens = await llm.render_chat(
-                conversation(body.messages, state.tool_syntax()), add_generation_prompt
+                conversation(body.messages, state.tool_syntax()),
+                add_generation_prompt,
+                template_kwargs=body.chat_template_kwargs,
             )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc

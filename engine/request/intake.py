@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from jinja2 import TemplateError
 
 from engine.sampling.params import DEFAULT_LIMITS, RequestLimits, SamplingParams
+from scheduler import SchedulingPolicy
 
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -98,7 +99,9 @@ class RequestProcessor:
     Not thread-safe: it owns `tokenizer`, and a Hugging Face fast tokenizer keeps mutable
     truncation and padding state, so a processor used on another thread than the engine's
     gets a tokenizer of its own. `limits` are the engine's settings that every request's
-    params are checked against (`EngineConfig.request_limits()`).
+    params are checked against (`EngineConfig.request_limits()`); under the engine's
+    `scheduling_policy` fcfs, which orders by arrival alone, a `priority` other than 0 is
+    refused rather than ignored (as vLLM documents it, and as its V0 engine did).
     """
 
     def __init__(
@@ -108,12 +111,14 @@ class RequestProcessor:
         max_model_len: int,
         grammars: GrammarCompiler | None = None,
         limits: RequestLimits = DEFAULT_LIMITS,
+        scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.grammars = grammars
         self.limits = limits
+        self.scheduling_policy = scheduling_policy
 
     def from_prompt(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Raises ValueError, with the numbers, for a prompt the engine can never serve."""
@@ -136,20 +141,25 @@ class RequestProcessor:
         messages: list[Message],
         params: SamplingParams,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> EngineRequest:
         """The conversation through the tokenizer's chat template, assistant turn opened."""
-        return self._checked(self.render_chat(messages, tools=tools), params, None)
+        prompt = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
+        return self._checked(prompt, params, None)
 
     def render_chat(
         self,
         messages: list[Message],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         """The token ids of the conversation through the tokenizer's chat template, as chat
         requests see it (`add_generation_prompt` opens the assistant's turn; `tools`, in
-        OpenAI's shape, go to the template as transformers passes them); unchecked.
-        Raises ChatTemplateError if the template refuses the conversation."""
+        OpenAI's shape, go to the template as transformers passes them; `template_kwargs`
+        are more variables for the template, as vLLM's `chat_template_kwargs`, such as
+        Qwen3's `enable_thinking`); unchecked. Raises ChatTemplateError if the template
+        refuses the conversation."""
         try:
             token_ids: list[int] = self.tokenizer.apply_chat_template(  # type: ignore[assignment]
                 messages,
@@ -157,6 +167,7 @@ class RequestProcessor:
                 add_generation_prompt=add_generation_prompt,
                 tokenize=True,
                 return_dict=False,
+                **(template_kwargs or {}),
             )
         except (TemplateError, ValueError) as exc:
             raise ChatTemplateError(f"the chat template rejected the messages: {exc}") from exc
@@ -186,6 +197,12 @@ class RequestProcessor:
         self, token_ids: list[int], params: SamplingParams, prompt: str | None
     ) -> EngineRequest:
         self.limits.check(params)
+        if params.priority != 0 and self.scheduling_policy != "priority":
+            raise ValueError(
+                f"priority {params.priority} needs the priority scheduling policy, but the "
+                f"engine's scheduling_policy is {self.scheduling_policy!r}: send priority 0 "
+                "(or none), or serve with --scheduling-policy priority"
+            )
         if not token_ids:
             raise ValueError("the prompt is empty")
         if min(token_ids) < 0 or max(token_ids) >= self.vocab_size:
@@ -203,7 +220,7 @@ class RequestProcessor:
         if params.structured_outputs is not None:
             if self.grammars is None:
                 raise ValueError("structured_outputs: this processor has no grammar compiler")
-            grammar = self.grammars.compile(params.structured_outputs)
+            grammar = self.grammars.compile(params.structured_outputs, token_ids)
         return EngineRequest(token_ids, params, max_tokens, prompt, grammar)
 
 

@@ -46,7 +46,10 @@ class RequestState:
         ending = ending_token_ids(params, eos_token_ids)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}-{index}"
-            seq = Sequence(seq_id, request_id, prompt_ids, request.max_tokens, index=index)
+            seq = Sequence(
+                seq_id, request_id, prompt_ids, request.max_tokens, index=index,
+                priority=params.priority,
+            )  # fmt: skip
             seq.block_hashes.extend(prompt_hashes)
             generator = (
                 None if params.seed is None else seeded_generator(params.seed, index, device)

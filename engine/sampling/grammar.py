@@ -24,7 +24,7 @@ import llguidance.hf
 import llguidance.torch
 import torch
 
-from engine.sampling.params import StructuredOutputs
+from engine.sampling.params import ReasoningBlock, StructuredOutputs
 
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
@@ -51,12 +51,18 @@ class GrammarCompiler:
             tokenizer, n_vocab=vocab_size, eos_token=sorted(eos_token_ids)
         )
 
-    def compile(self, spec: StructuredOutputs) -> str:
-        """The grammar text; raises ValueError naming what the grammar engine refused."""
+    def compile(self, spec: StructuredOutputs, prompt_token_ids: Sequence[int] = ()) -> str:
+        """The grammar text of a reply to the prompt `prompt_token_ids` (which decides
+        where a reasoning model's reply begins, see `ReasoningBlock`); raises ValueError
+        naming what the grammar engine refused."""
         try:
             grammar = _grammar_text(spec)
         except (ValueError, TypeError) as exc:  # llguidance's own parse errors
             raise ValueError(f"structured_outputs: {spec.kind}: {exc}") from None
+        if spec.reasoning is not None:
+            opening = spec.reasoning.opening(prompt_token_ids)
+            if opening != "after":
+                grammar = after_reasoning(grammar, spec.reasoning, opening == "inside")
         error = llguidance.LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
         if error:
             raise ValueError(f"structured_outputs: {spec.kind}: {error.strip()}")
@@ -70,6 +76,45 @@ class GrammarCompiler:
 def lark_grammar(text: str) -> str:
     """A Lark grammar (llguidance's dialect: `%json {schema}` embeds a JSON schema)."""
     return llguidance.grammar_from("lark", text)
+
+
+def after_reasoning(answer: str, block: ReasoningBlock, inside: bool) -> str:
+    """The grammar `answer` (as `_grammar_text` makes it) after free thinking: text up to
+    `</think>` when the reply begins `inside` it, else an optional `<think>` ... `</think>`
+    block; whitespace may follow. The answer becomes a subgrammar of its own (llguidance's
+    `@name`), so a grammar of any kind composes, JSON schemas and Lark alike.
+
+    The thinking is text: no special token but the `</think>` that ends it, and the first
+    `</think>`, token or spelling, ends it, where the reasoning parser splits the reply.
+    """
+    if answer.lstrip().startswith("{"):
+        top = json.loads(answer)
+    else:
+        top = {"grammars": [{"lark_grammar": answer}]}
+    grammars = top["grammars"]
+    grammars[0] = {**grammars[0], "name": "answer"}
+    end = json.dumps(block.END)
+    thought = "thought_text"
+    rules = [
+        "%llguidance {}",
+        f"thought_text[lazy]: /(?s:.*)/ {end}",
+        "SPACE: /[ \\t\\r\\n]+/",
+    ]
+    if block.end_id is not None:
+        # Text without the spelt marker, then the marker's token.
+        thought = f"thought_text | THOUGHT? <[{block.end_id}]>"
+        spelt = block.END.replace("/", "\\/")
+        rules.append(f"THOUGHT: /(?s:.+)/ & ~/(?s:.*){spelt}(?s:.*)/")
+    rules.append(f"thought: ({thought}) SPACE?")
+    if inside:
+        rules.append("start: thought @answer")
+    else:
+        start = json.dumps(block.START)
+        if block.start_id is not None:
+            start = f"{start} | <[{block.start_id}]>"
+        rules += [f"open: {start}", "start: (open thought)? @answer"]
+    reply = {"name": "reply", "lark_grammar": "\n".join(rules) + "\n"}
+    return json.dumps({**top, "grammars": [reply, *grammars]})
 
 
 def _grammar_text(spec: StructuredOutputs) -> str:

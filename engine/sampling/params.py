@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 MAX_N = 128
 MAX_LOGPROBS = 20
@@ -57,6 +58,44 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 GREEDY_TEMPERATURE = 1e-5
 
 
+# How near the prompt's end a `<think>` or `</think>` token decides where the reply
+# begins: the token and the newline or two a template writes after it.
+_REASONING_TAIL = 3
+
+
+@dataclass(frozen=True, slots=True)
+class ReasoningBlock:
+    """A reasoning model's thinking, `<think>` ... `</think>` before its answer, which a
+    structured output leaves free: the constraint holds the answer after it.
+
+    Where a reply begins (`opening`): "inside" the thinking when `always_open`
+    (DeepSeek-R1's templates open it) or when the prompt's last tokens opened `<think>`
+    without closing it, so free text up to `</think>` comes first; "after" it when they
+    closed it (Qwen3's template with thinking off), so the answer comes at once; else
+    "either": a `<think>` ... `</think>` block, or none. `start_id` and `end_id` are the
+    markers' ids where the tokenizer holds them as tokens of their own; a grammar then
+    takes each marker as its token or as its spelling.
+    """
+
+    START = "<think>"
+    END = "</think>"
+
+    always_open: bool
+    start_id: int | None = None
+    end_id: int | None = None
+
+    def opening(self, prompt_token_ids: Sequence[int]) -> Literal["inside", "after", "either"]:
+        if self.always_open:
+            return "inside"
+        tail = list(prompt_token_ids[-_REASONING_TAIL:])
+        if self.start_id is not None and self.start_id in tail:
+            opened = len(tail) - 1 - tail[::-1].index(self.start_id)
+            return "after" if self.end_id in tail[opened:] else "inside"
+        if self.end_id is not None and self.end_id in tail:
+            return "after"
+        return "either"
+
+
 @dataclass(frozen=True, slots=True)
 class StructuredOutputs:
     """What every sample's text must match, as vLLM's `structured_outputs` says it.
@@ -64,7 +103,10 @@ class StructuredOutputs:
     Exactly one of: `json`, a JSON schema (a dict, or its text); `json_object`, any JSON
     object; `regex`; `choice`, one of these strings; `grammar`, a Lark or GBNF grammar.
     `engine.sampling.grammar` compiles it; the sampler then masks every token that would
-    leave the language, and the sample ends when the language allows nothing more.
+    leave the language, and the sample ends when the language allows nothing more. With
+    `reasoning`, the language is that of the answer after a reasoning model's thinking,
+    which is left free (see `ReasoningBlock`), as vLLM applies structured outputs to the
+    content and not to the reasoning.
     """
 
     json: dict[str, Any] | str | None = None
@@ -72,6 +114,7 @@ class StructuredOutputs:
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
+    reasoning: ReasoningBlock | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in STRUCTURED_KINDS if getattr(self, name) not in (None, False)]
@@ -102,7 +145,9 @@ class SamplingParams:
     0), `logit_bias` maps non-negative int token ids to finite biases in [-100, 100] (the
     engine's intake checks the ids against the vocabulary), and every field is in range;
     otherwise `__post_init__` raises `ValueError` whose
-    message starts with the parameter's name.
+    message starts with the parameter's name. `priority` is not a sampling setting but the
+    request's place under the priority scheduling policy (vLLM's `priority`: a lower value
+    first); an engine under the fcfs policy refuses any but 0 at intake.
     """
 
     n: int = 1
@@ -124,9 +169,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
+    priority: int = 0
 
     def __post_init__(self) -> None:
         _check_int("n", self.n, low=1, high=MAX_N)
+        _check_int("priority", self.priority)
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=1)
         _check_float("temperature", self.temperature, low=0.0)

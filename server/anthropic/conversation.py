@@ -47,8 +47,10 @@ def chat_tools(body: MessagesRequest | CountTokensRequest) -> ChatTools | None:
 
 def template_inputs(
     body: MessagesRequest | CountTokensRequest, syntax: ToolSyntax, tools: ChatTools | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """The messages and the `tools` argument the chat template renders for `body`."""
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]:
+    """The messages, the `tools` argument and the other variables the chat template
+    renders for `body`: `thinking` disabled is `enable_thinking: false`, which turns the
+    thinking of templates that read it (Qwen3's) off."""
     messages: list[ChatMessage] = []
     system = body.system_text()
     if system is not None:
@@ -56,7 +58,9 @@ def template_inputs(
     for message in body.messages:
         messages.extend(_chat_messages(message))
     template_tools = tools.for_template(syntax) if tools is not None else None
-    return conversation(messages, syntax, tools), template_tools
+    disabled = body.thinking is not None and body.thinking.type == "disabled"
+    variables = {"enable_thinking": False} if disabled else None
+    return conversation(messages, syntax, tools), template_tools, variables
 
 
 def _chat_messages(message: Message) -> list[ChatMessage]:

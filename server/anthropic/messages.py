@@ -38,7 +38,7 @@ from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
 from server.errors import request_id as http_request_id
 from server.generation import final_outputs, generate, new_request_id
-from server.reasoning import ReasoningSyntax, split_reasoning
+from server.reasoning import ReasoningSyntax, answer_only, split_reasoning
 from server.state import ServerState, server_state
 from server.streaming import SSEResponse
 from server.tools import ToolCallStream
@@ -60,19 +60,23 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     deadline = request_deadline(state.config, request)
     syntax, tools = state.tool_syntax(), _checked_tools(state, body)
     aliases = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
+    reasoning = state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = _sampling_params(body, llm.default_sampling)
-        if tools is not None and params.structured_outputs is None:
+        # As chat's: the format or a forced call holds the answer only, after the reasoning.
+        spec = answer_only(params.structured_outputs, reasoning)
+        if tools is not None and spec is None:
             aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            params = dataclasses.replace(
-                params, structured_outputs=tools.structured_outputs(syntax)
-            )
-        messages, template_tools = template_inputs(body, syntax, tools)
+            spec = tools.structured_outputs(syntax)
+            if tools.forced is not None:
+                spec = answer_only(spec, reasoning)
+        params = dataclasses.replace(params, structured_outputs=spec)
+        messages, template_tools, variables = template_inputs(body, syntax, tools)
         try:
-            prompt = await llm.process_chat(messages, params, template_tools)
+            prompt = await llm.process_chat(messages, params, template_tools, variables)
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc
-    reply = _Reply(state, llm, body, prompt, syntax, tools, state.reasoning_syntax(), deadline)
+    reply = _Reply(state, llm, body, prompt, syntax, tools, reasoning, deadline)
     ticket = state.admission.admit(1)
     if body.stream:
         return SSEResponse(reply.events(http_request_id(request)), on_close=ticket.release)
@@ -88,9 +92,9 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     llm = state.ready_llm()
     state.check_model(body.model)
     syntax = state.tool_syntax()
-    messages, template_tools = template_inputs(body, syntax, _checked_tools(state, body))
+    messages, template_tools, variables = template_inputs(body, syntax, _checked_tools(state, body))
     try:
-        tokens = await llm.render_chat(messages, tools=template_tools)
+        tokens = await llm.render_chat(messages, tools=template_tools, template_kwargs=variables)
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
     return Response(
@@ -119,6 +123,7 @@ def _sampling_params(body: MessagesRequest, defaults: dict[str, Any]) -> Samplin
         "top_p": body.top_p,
         "top_k": body.top_k,
         "stop": body.stop_sequences,
+        "priority": body.priority,
     }
     values = with_defaults(requested, defaults)
     output = body.output_config

@@ -177,7 +177,8 @@ class ToolChoice(_Model):
 class ThinkingConfig(_Model):
     """`enabled` or `adaptive`: the reply's reasoning comes back in thinking blocks (the
     model reasons as its chat template makes it; `budget_tokens` must be below max_tokens
-    and is a target, not enforced); `disabled`: no thinking blocks are asked for.
+    and is a target, not enforced); `disabled`: no thinking blocks are asked for, and the
+    chat template gets `enable_thinking: false` (server/anthropic/conversation.py).
     `display: omitted` sends thinking blocks with empty text."""
 
     type: Literal["enabled", "adaptive", "disabled"]
@@ -287,6 +288,9 @@ class MessagesRequest(_Conversation):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    # An extension, as on the OpenAI endpoints: vLLM's request priority (a lower value is
+    # served first under the priority scheduling policy).
+    priority: int | None = None
 
     @model_validator(mode="after")
     def _budget_below_max_tokens(self) -> MessagesRequest:

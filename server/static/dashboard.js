@@ -92,7 +92,7 @@
     renderTotals(state);
     renderBlocks(state.blocks);
     renderCharts(state.history);
-    renderSequences(state.sequences);
+    renderSequences(state.sequences, state.scheduling_policy);
   }
 
   const percent = (ratio) => (ratio === null ? "–" : (100 * ratio).toFixed(1) + " %");
@@ -307,7 +307,13 @@
     return td;
   }
 
-  function renderSequences(sequences) {
+  const POLICY_NOTES = {
+    fcfs: "· waiting ones in arrival order (fcfs)",
+    priority: "· waiting ones by priority (lower first), then arrival",
+  };
+
+  function renderSequences(sequences, policy) {
+    $("policy").textContent = POLICY_NOTES[policy] || policy;
     const rows = sequences.slice(0, MAX_ROWS).map((seq) => {
       const row = document.createElement("tr");
       row.dataset.seqId = seq.seq_id;
@@ -317,6 +323,7 @@
       row.append(
         id,
         stateCell(seq),
+        cell(seq.priority, "num", "priority"),
         cell(seq.prompt_tokens, "num"),
         cell(seq.cached_tokens, "num"),
         cell(seq.output_tokens, "num", "generated"),

@@ -21,6 +21,7 @@ from scale_out.policy import preferred_replicas
 from scale_out.prefix_index import PrefixIndex
 from scale_out.prompt_hashes import PromptHasher
 from server.chat_tools import ToolSyntax
+from tests.server.test_reasoning import QWEN3_TEMPLATE
 
 BLOCK = 4
 
@@ -125,6 +126,22 @@ def test_a_chat_with_tools_hashes_the_conversation_the_server_renders(
         hashes(hasher, "/v1/chat/completions", with_tools)[:2]
         != hashes(hasher, "/v1/chat/completions", json.dumps(plain).encode())[:2]
     )
+
+
+def test_a_chats_template_variables_render_at_the_ingress(
+    tiny_model_paths: dict[str, Path],
+) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_paths["llama"])
+    tokenizer.chat_template = QWEN3_TEMPLATE  # it reads `enable_thinking`
+    processor = RequestProcessor(tokenizer, len(tokenizer), 512)
+    hasher = PromptHasher(processor, ToolSyntax.of("auto", tokenizer.chat_template), BLOCK)
+    messages = [{"role": "user", "content": "Hi"}]
+    off = {"enable_thinking": False}
+    body = {"model": "m", "messages": messages, "chat_template_kwargs": off}
+    prompt = hasher.render("/v1/chat/completions", json.dumps(body).encode())
+    assert prompt is not None
+    assert list(prompt.token_ids) == processor.render_chat(messages, template_kwargs=off)
+    assert list(prompt.token_ids) != processor.render_chat(messages)
 
 
 def test_requests_the_server_refuses_or_does_not_run_have_no_prompt(hasher: PromptHasher) -> None:

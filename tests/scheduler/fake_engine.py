@@ -11,10 +11,16 @@ import random
 
 from cache.block_manager import BlockManager
 from scheduler import Scheduler, SchedulerOutput, Sequence
+from scheduler.waiting_queue import priority_rank
 
 
 def add_request(
-    scheduler: Scheduler, request_id: str, prompt: list[int], max_tokens: int, n: int = 1
+    scheduler: Scheduler,
+    request_id: str,
+    prompt: list[int],
+    max_tokens: int,
+    n: int = 1,
+    priority: int = 0,
 ) -> list[Sequence]:
     """Add a request's sequences the way the engine does (seq_id per sample when n > 1)."""
     seqs = [
@@ -24,6 +30,7 @@ def add_request(
             prompt_token_ids=list(prompt),
             max_tokens=max_tokens,
             index=index,
+            priority=priority,
         )
         for index in range(n)
     ]
@@ -41,6 +48,10 @@ def check_output(scheduler: Scheduler, output: SchedulerOutput) -> None:
     scheduled_ids = [s.seq.seq_id for s in output.scheduled]
     assert len(set(scheduled_ids)) == len(scheduled_ids)
     assert not {seq.seq_id for seq in output.preempted} & set(scheduled_ids)
+    if scheduler.policy == "priority" and output.preempted:
+        # Victims are the lowest ranked: every sequence still running ranks at or above them.
+        lowest_kept = max(map(priority_rank, scheduler.running()), default=None)
+        assert lowest_kept is None or lowest_kept <= min(map(priority_rank, output.preempted))
     for seq in output.rejected:
         assert seq.finish_reason == "error" and seq.error
         assert seq.seq_id not in scheduled_ids

@@ -1,4 +1,5 @@
-"""Random arrivals, lengths, aborts and tiny caches: everything ends, nothing leaks."""
+"""Random arrivals, lengths, priorities, aborts and tiny caches, under either scheduling
+policy: everything ends, nothing leaks, and admission follows the policy's order."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cache.block_manager import BlockManager
-from scheduler import Scheduler, Sequence
+from scheduler import SCHEDULING_POLICIES, Scheduler, SchedulingPolicy, Sequence, SequenceStatus
+from scheduler.waiting_queue import priority_rank
 from tests.scheduler.fake_engine import FakeEngine, add_request
 
 # Prompts start with a prefix of one of these, so requests often share cached blocks.
@@ -26,6 +28,7 @@ class Arrival:
     max_tokens: int
     n: int
     abort_step: int | None
+    priority: int
 
 
 @st.composite
@@ -43,6 +46,7 @@ def arrivals(draw: st.DrawFn) -> list[Arrival]:
                 max_tokens=draw(st.integers(1, 16)),
                 n=draw(st.integers(1, 3)),
                 abort_step=draw(st.none() | st.integers(0, 40)),
+                priority=draw(st.integers(-1, 2)),
             )
         )
     return result
@@ -59,6 +63,7 @@ def arrivals(draw: st.DrawFn) -> list[Arrival]:
     max_num_seqs=st.integers(1, 6),
     max_num_batched_tokens=st.integers(1, 48),
     seed=st.integers(0, 3),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
 )
 def test_every_request_ends_and_every_block_comes_back(
     requests: list[Arrival],
@@ -70,6 +75,7 @@ def test_every_request_ends_and_every_block_comes_back(
     max_num_seqs: int,
     max_num_batched_tokens: int,
     seed: int,
+    policy: SchedulingPolicy,
 ) -> None:
     manager = BlockManager(
         num_blocks, block_size, enable_prefix_caching=enable_prefix_caching, watermark=watermark
@@ -79,6 +85,7 @@ def test_every_request_ends_and_every_block_comes_back(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_chunked_prefill=enable_chunked_prefill,
+        policy=policy,
     )
     engine = FakeEngine(scheduler, random.Random(seed))
     seqs: dict[str, list[Sequence]] = {}
@@ -88,12 +95,15 @@ def test_every_request_ends_and_every_block_comes_back(
         for arrival in requests:
             if arrival.step == step:
                 seqs[arrival.request_id] = add_request(
-                    scheduler, arrival.request_id, arrival.prompt, arrival.max_tokens, arrival.n
-                )
+                    scheduler, arrival.request_id, arrival.prompt, arrival.max_tokens, arrival.n,
+                    arrival.priority,
+                )  # fmt: skip
             if arrival.abort_step == step:
                 scheduler.abort(arrival.request_id)
         if scheduler.has_unfinished():
+            waiting = scheduler.waiting()
             engine.step()
+            check_admission_order(waiting, policy)
         step += 1
 
     usable_blocks = num_blocks - int(watermark * num_blocks)
@@ -121,3 +131,20 @@ def test_every_request_ends_and_every_block_comes_back(
     assert stats.used_blocks == 0
     assert manager.num_free_blocks == stats.free_blocks == num_blocks
     assert scheduler.num_waiting == scheduler.num_running == 0
+
+
+def check_admission_order(waiting: list[Sequence], policy: SchedulingPolicy) -> None:
+    """A step admits (or rejects) from the front of the queue as it stood (`waiting`, in
+    its order): no sequence still waiting after the step was ahead of one that left it. The queue's
+    order is arrival (fcfs) or priority then arrival (priority), preempted ones aside."""
+    left = [i for i, seq in enumerate(waiting) if seq.status is not SequenceStatus.WAITING]
+    still_waiting = [i for i, seq in enumerate(waiting) if seq.status is SequenceStatus.WAITING]
+    if left and still_waiting:
+        assert max(left) < min(still_waiting)
+    fresh = [seq for seq in waiting if not seq.num_preemptions]
+    if policy == "priority":
+        ranks = [priority_rank(seq) for seq in waiting]
+        assert ranks == sorted(ranks)
+    else:
+        arrivals = [seq.arrival_time for seq in fresh]
+        assert arrivals == sorted(arrivals)

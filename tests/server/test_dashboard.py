@@ -27,6 +27,7 @@ from engine.errors import EngineError
 from engine.snapshot import EngineStats
 from server.history import StatsHistory
 from tests.server.conftest import live_server, tiny_config
+from tests.server.test_vllm_metrics import scrape
 
 API_KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -46,6 +47,7 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SCREENSHOT = Path("/tmp/dashboard.png")
+STATUSES = ("running", "waiting")
 
 
 def slow_engine(config: EngineConfig) -> AsyncLLM:
@@ -64,13 +66,15 @@ def slow_engine(config: EngineConfig) -> AsyncLLM:
 
 @pytest.fixture(scope="module")
 def server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
-    """A server with an API key, 256 KV blocks and room for MAX_NUM_SEQS running sequences."""
+    """A server with an API key, 256 KV blocks and room for MAX_NUM_SEQS running sequences,
+    scheduling by priority."""
     config = tiny_config(
         tiny_model_paths["llama"],
         served_model_name="tiny",
         api_key=API_KEY,
         kv_cache_memory="4MiB",
         max_num_seqs=MAX_NUM_SEQS,
+        scheduling_policy="priority",
         # 4 sequences of 1,024 tokens could use all 256 blocks: none are left out.
         max_model_len=1024,
     )
@@ -79,9 +83,12 @@ def server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
 
 
 @contextmanager
-def streams_in_flight(url: str, count: int = 6, max_tokens: int = 400) -> Iterator[None]:
-    """`count` streamed completions of PROMPT, read by background threads; the block's exit
-    closes them, which aborts them, and checks that the server accepted them all."""
+def streams_in_flight(
+    url: str, count: int = 6, max_tokens: int = 400, priority: int = 0
+) -> Iterator[None]:
+    """`count` streamed completions of PROMPT at `priority`, read by background threads;
+    the block's exit closes them, which aborts them, and checks that the server accepted
+    them all."""
     stop = threading.Event()
     refusals: list[str] = []
     body = {
@@ -91,6 +98,7 @@ def streams_in_flight(url: str, count: int = 6, max_tokens: int = 400) -> Iterat
         "temperature": 0,
         "ignore_eos": True,
         "stream": True,
+        "priority": priority,
     }
 
     def read() -> None:
@@ -223,6 +231,24 @@ def test_blocks_and_sequences_follow_the_requests_in_flight(server: str) -> None
     assert counts["used"] == counts["shared"] == 0
     assert counts["cached"] >= 3  # the prompt's blocks stay cached for a later request
     assert idle["prefix_cache_hit_rate"] > 0
+
+
+def test_waiting_sequences_show_their_priority_in_queue_order(server: str) -> None:
+    with streams_in_flight(server, count=MAX_NUM_SEQS):
+        wait_for_state(server, lambda s: s["totals"]["num_running"] == MAX_NUM_SEQS)
+        # Queued behind the running set (priority 0 < theirs, so no preemption), the later
+        # of the two first: its lower value puts it ahead.
+        with streams_in_flight(server, count=1, priority=7):
+            wait_for_state(server, lambda s: s["totals"]["num_waiting"] == 1)
+            with streams_in_flight(server, count=1, priority=3):
+                busy = wait_for_state(server, lambda s: s["totals"]["num_waiting"] == 2)
+                metrics = scrape(server)
+    assert busy["scheduling_policy"] == "priority"
+    assert [seq["priority"] for seq in busy["sequences"]] == [0] * MAX_NUM_SEQS + [3, 7]
+    assert busy["totals"]["num_preemptions"] == 0
+    running, waiting = (metrics[f"pagedserve_num_requests_{s}_by_priority"] for s in STATUSES)
+    assert running == {(("priority", "0"),): MAX_NUM_SEQS}
+    assert waiting == {(("priority", "3"),): 1, (("priority", "7"),): 1}
 
 
 # -- the history --------------------------------------------------------------------------
@@ -372,6 +398,9 @@ def test_the_page_shows_live_blocks_and_requests_in_chromium(
                     document.querySelector(`#legend [data-state=${state}] b`)?.textContent) > 0)
                 && document.querySelectorAll("#sequences tr").length === 6
                 && document.querySelectorAll("#sequences .state.waiting").length === 2
+                && [...document.querySelectorAll("#sequences [data-field=priority]")]
+                     .every((cell) => cell.textContent === "0")
+                && document.getElementById("policy").textContent.includes("by priority")
                 && [...document.querySelectorAll("#sequences [data-field=generated]")]
                      .some((cell) => Number(cell.textContent) > 0)""",
         )

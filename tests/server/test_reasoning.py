@@ -7,11 +7,15 @@ structure is judged, not wisdom."""
 from __future__ import annotations
 
 import itertools
+import json
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import anthropic
+import httpx
+import openai
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -104,22 +108,28 @@ def server(qwen3_model: Path) -> Iterator[str]:
 
 
 ASK = [{"role": "user", "content": "Name a colour."}]
-# A reply that thinks, then answers: the grammar stands in for a trained model.
-THINKING = {
-    "guided_grammar": "start: <think> THOUGHT </think> ANSWER\n"
-    "THOUGHT: /[a-z ]{4,12}/\nANSWER: /[A-Z][a-z]{3,8}/"
-}
+SEED = 1
 
 
-def test_chat_reasoning_content(server: str) -> None:
+@pytest.fixture(scope="module")
+def thinks(qwen3_model: Path) -> dict[str, Any]:
+    """Sampling that makes the random weights think, briefly: `<think>` first (where a
+    reply may open with it), and `</think>` likelier than any other token. A trained model
+    stands in for these biases; structure is judged, not wisdom."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen3_model)
+    start, end = tokenizer.convert_tokens_to_ids([START, END])
+    return {"temperature": 1, "seed": SEED, "logit_bias": {str(start): 100, str(end): 4}}
+
+
+def test_chat_reasoning_content(server: str, thinks: dict[str, Any]) -> None:
     api = client(server)
-    kwargs: dict[str, Any] = dict(
-        model="tiny", messages=ASK, max_tokens=40, temperature=0, extra_body=THINKING
-    )
+    # The answer's grammar holds the answer only: the thinking before it is free.
+    extra = {**thinks, "guided_regex": "[A-Z][a-z]{3,8}"}
+    kwargs: dict[str, Any] = dict(model="tiny", messages=ASK, max_tokens=40, extra_body=extra)
     message = api.chat.completions.create(**kwargs).choices[0].message
     reasoning = message.model_extra["reasoning_content"]
     assert reasoning and reasoning == reasoning.strip() and START not in reasoning
-    assert message.content and message.content[0].isupper() and END not in message.content
+    assert message.content and re.fullmatch("[A-Z][a-z]{3,8}", message.content)
     chunks = list(api.chat.completions.create(**kwargs, stream=True))
     deltas = [chunk.choices[0].delta for chunk in chunks if chunk.choices]
     streamed = [(d.model_extra or {}).get("reasoning_content") or "" for d in deltas]
@@ -132,6 +142,39 @@ def test_chat_reasoning_content(server: str) -> None:
     # a reply without reasoning has no reasoning_content
     plain = api.chat.completions.create(model="tiny", messages=ASK, max_tokens=3, temperature=0)
     assert "reasoning_content" not in (plain.choices[0].message.model_extra or {})
+
+
+PAINT = {
+    "type": "function",
+    "function": {
+        "name": "paint",
+        "parameters": {
+            "type": "object",
+            "properties": {"colour": {"enum": ["red", "blue"]}},
+            "required": ["colour"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("choice", ["required", "named"])
+def test_a_forced_tool_call_follows_the_thinking(
+    server: str, thinks: dict[str, Any], choice: str
+) -> None:
+    tool_choice = (
+        choice if choice == "required" else {"type": "function", "function": {"name": "paint"}}
+    )
+    reply = client(server).chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=80, tools=[PAINT], tool_choice=tool_choice,
+        parallel_tool_calls=False, extra_body=thinks,
+    )  # fmt: skip
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"]
+    [call] = message.tool_calls or []
+    assert call.function.name == "paint"
+    assert json.loads(call.function.arguments)["colour"] in ("red", "blue")
+    assert reply.choices[0].finish_reason == "tool_calls" and message.content is None
 
 
 @pytest.fixture(scope="module")
@@ -176,7 +219,9 @@ def test_messages_thinking_blocks(opening_server: str, stream: bool) -> None:
     assert enabled.content == shown.content
     omitted = reply(thinking={"type": "adaptive", "display": "omitted"})
     assert [(b.type, b.thinking) for b in omitted.content] == [("thinking", "")]
-    assert reply(thinking={"type": "disabled"}).content == []
+    # disabled: the template's `enable_thinking` is false, and it closes the thinking in
+    # the prompt, so the whole reply is the answer
+    assert [block.type for block in reply(thinking={"type": "disabled"}).content] == ["text"]
     # earlier thinking passed back is accepted (and left out of the prompt, as the
     # template leaves out reasoning before the last question)
     text = {"type": "text", "text": "Blue."}
@@ -186,3 +231,81 @@ def test_messages_thinking_blocks(opening_server: str, stream: bool) -> None:
     without = [*ASK, {"role": "assistant", "content": [text]}, again[-1]]
     counted = [api.messages.count_tokens(model="tiny", messages=m) for m in (again, without)]
     assert counted[0].input_tokens == counted[1].input_tokens
+
+
+COLOUR = {
+    "type": "object",
+    "properties": {"colour": {"enum": ["red", "blue"]}, "shade": {"enum": [1, 2, 3]}},
+    "required": ["colour", "shade"],
+    "additionalProperties": False,
+}
+
+
+def check_colour(text: str) -> None:
+    value = json.loads(text)
+    assert set(value) == {"colour", "shade"} and value["colour"] in ("red", "blue")
+    assert isinstance(value["shade"], int)
+
+
+def test_a_json_schema_holds_the_answer_after_the_thinking(
+    opening_server: str, thinks: dict[str, Any]
+) -> None:
+    # The prompt opens the thinking: the reply thinks first, then answers in JSON.
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}}
+    reply = client(opening_server).chat.completions.create(
+        model="tiny", messages=ASK, max_tokens=80, response_format=fmt, extra_body=thinks
+    )
+    message = reply.choices[0].message
+    assert message.model_extra["reasoning_content"]
+    assert message.content is not None
+    check_colour(message.content)
+
+
+def test_thinking_off_closes_it_in_the_prompt(
+    server: str, thinks: dict[str, Any], qwen3_model: Path
+) -> None:
+    api = client(server)
+    fmt = {"type": "json_schema", "json_schema": {"name": "colour", "schema": COLOUR}}
+
+    def chat(**extra: Any) -> Any:
+        body = {**thinks, **extra}
+        return api.chat.completions.create(
+            model="tiny", messages=ASK, max_tokens=80, response_format=fmt, extra_body=body
+        )
+
+    on, off = chat(), chat(chat_template_kwargs={"enable_thinking": False})
+    assert on.choices[0].message.model_extra["reasoning_content"]
+    # Off, the template wrote `<think>\n\n</think>\n\n` itself: the reply is the answer at
+    # once, the bias on `<think>` notwithstanding.
+    assert "reasoning_content" not in (off.choices[0].message.model_extra or {})
+    check_colour(off.choices[0].message.content)
+    closed = len(AutoTokenizer.from_pretrained(qwen3_model).encode("<think>\n\n</think>\n\n"))
+    assert off.usage.prompt_tokens == on.usage.prompt_tokens + closed
+    # Anthropic's thinking disabled is the same variable, in count_tokens too.
+    messages = anthropic.Anthropic(base_url=server, api_key="unused", max_retries=0).messages
+    counts = [
+        messages.count_tokens(model="tiny", messages=ASK, **more).input_tokens
+        for more in ({}, {"thinking": {"type": "disabled"}})
+    ]
+    assert counts == [on.usage.prompt_tokens, off.usage.prompt_tokens]
+    # /tokenize renders it as chat does
+    body = {"messages": ASK, "chat_template_kwargs": {"enable_thinking": False}}
+    assert httpx.post(f"{server}/tokenize", json=body).json()["count"] == off.usage.prompt_tokens
+    output = {"format": {"type": "json_schema", "schema": COLOUR}}
+    disabled = messages.create(
+        model="tiny", max_tokens=80, messages=ASK, thinking={"type": "disabled"},
+        extra_body={"temperature": 0, "output_config": output},
+    )  # fmt: skip
+    [text] = disabled.content
+    check_colour(text.text)
+
+
+def test_template_arguments_the_server_sets_are_refused(server: str) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(server).chat.completions.create(
+            model="tiny",
+            messages=ASK,
+            max_tokens=1,
+            extra_body={"chat_template_kwargs": {"tokenize": False}},
+        )
+    assert refused.value.body["param"] == "chat_template_kwargs.tokenize"  # type: ignore[index]
