@@ -7,7 +7,6 @@ the model sees exactly the format it was trained on.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
@@ -16,14 +15,12 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
-from engine.request.intake import ChatTemplateError
-from server.admission import Deadline, request_deadline
+from server.admission import Deadline
 from server.auth import require_api_key
 from server.chat_tools import ChatTools, ToolSyntax, template_inputs
-from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
-from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
+from server.handling import Handling, json_response
 from server.logprobs import chat_logprobs
 from server.protocol import (
     ChatChoice,
@@ -38,10 +35,9 @@ from server.protocol import (
     ResponseToolCall,
     Usage,
 )
-from server.reasoning import ReasoningStream, ReasoningSyntax, answer_only, split_reasoning
-from server.rendered_prompt import rendered_prompt
-from server.state import ServerState, server_state
-from server.streaming import DONE, SSEResponse, sse
+from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
+from server.state import ServerState
+from server.streaming import DONE, sse
 from server.tools import ToolCallStream
 
 if TYPE_CHECKING:
@@ -55,10 +51,8 @@ _FIELDS = set(ChatCompletionRequest.model_fields)
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    state.check_model(body.model)
-    deadline = request_deadline(state.config, request)
+    handling = Handling.begin(request, body.model)
+    state, llm = handling.state, handling.llm
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
     # max_completion_tokens is OpenAI's newer name for max_tokens and wins when both are set.
@@ -69,43 +63,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     aliases = {"logprobs": "top_logprobs", **body.error_aliases()}
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
-    if body.tools and len(body.tools) > state.config.max_tools:
-        raise invalid_request(
-            f"tools must hold at most {state.config.max_tools} functions (the server's "
-            f"max_tools setting), got {len(body.tools)}",
-            "tools",
-        )
+    handling.check_tool_count(len(body.tools or ()))
     syntax, tools, reasoning = state.tool_syntax(), ChatTools.of(body), state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
             max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
         )
-        # The grammar of the tools' calls, unless the request constrains the reply itself
-        # (only in `auto` mode: structured outputs cannot come with a forced call). Either
-        # holds the answer only, after the reasoning; `auto` leaves all before a call free.
-        spec = answer_only(params.structured_outputs, reasoning)
-        if tools is not None and spec is None:
-            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            spec = tools.structured_outputs(syntax)
-            if tools.forced is not None:
-                spec = answer_only(spec, reasoning)
-        params = dataclasses.replace(params, structured_outputs=spec)
-        rendered = rendered_prompt(request)
-        if rendered is not None:
-            prompt = await llm.process_rendered(rendered, params)
-        else:
-            messages, template_tools, variables = template_inputs(body, syntax, tools)
-            try:
-                prompt = await llm.process_chat(messages, params, template_tools, variables)
-            except ChatTemplateError as exc:
-                raise invalid_request(str(exc), "messages") from exc
-    chat = _Chat(state, llm, body, prompt, syntax, tools, reasoning, deadline)
-    ticket = state.admission.admit(params.n)
+        inputs = template_inputs(body, syntax, tools)
+        prompt = await handling.chat_prompt(params, tools, syntax, reasoning, inputs, aliases)
+    chat = _Chat(state, llm, body, prompt, syntax, tools, reasoning, handling.deadline)
     if body.stream:
-        return SSEResponse(chat.events(http_request_id(request)), on_close=ticket.release)
-    with ticket:
-        final = await cancel_on_disconnect(request, chat.run())
-    return Response(chat.response(final).model_dump_json(), media_type="application/json")
+        return handling.stream(prompt.params.n, chat.events)
+    return json_response(chat.response(await handling.run(prompt.params.n, chat.run)))
 
 
 @dataclass(slots=True)

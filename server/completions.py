@@ -15,17 +15,16 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
-from server.admission import Deadline, request_deadline
+from server.admission import Deadline
 from server.auth import require_api_key
-from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
-from server.errors import request_id as http_request_id
 from server.generation import count_usage, final_outputs, generate, new_request_id
+from server.handling import Handling, json_response
 from server.logprobs import CompletionLogprobsFormatter
 from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from server.rendered_prompt import rendered_prompt
-from server.state import ServerState, server_state
-from server.streaming import DONE, SSEResponse, sse
+from server.state import ServerState
+from server.streaming import DONE, sse
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -39,10 +38,8 @@ _FIELDS = set(CompletionRequest.model_fields)
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    state.check_model(body.model)
-    deadline = request_deadline(state.config, request)
+    handling = Handling.begin(request, body.model)
+    state, llm, deadline = handling.state, handling.llm, handling.deadline
     if body.echo and body.logprobs is not None:
         raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS, aliases=body.error_aliases()):
@@ -59,12 +56,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     else:
         prefixes = [""] * len(prompts)
     completion = _Completion(state, llm, body, params, prompts, prefixes, deadline)
-    ticket = state.admission.admit(len(prompts) * params.n)
+    samples = len(prompts) * params.n
     if body.stream:
-        return SSEResponse(completion.events(http_request_id(request)), on_close=ticket.release)
-    with ticket:
-        finals = await cancel_on_disconnect(request, completion.run())
-    return Response(completion.response(finals).model_dump_json(), media_type="application/json")
+        return handling.stream(samples, completion.events)
+    return json_response(completion.response(await handling.run(samples, completion.run)))
 
 
 @dataclass(slots=True)

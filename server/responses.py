@@ -11,7 +11,6 @@ requests' `previous_response_id` and for GET, as its API key's alone.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 from collections.abc import AsyncGenerator
@@ -23,14 +22,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from engine.errors import EngineError
-from engine.request.intake import ChatTemplateError
-from server.admission import Deadline, request_deadline
+from server.admission import Deadline
 from server.auth import key_owner, require_api_key
 from server.chat_tools import ChatTools, ToolSyntax, template_inputs
-from server.disconnect import cancel_on_disconnect
-from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
-from server.errors import request_id as http_request_id
+from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
+from server.handling import Handling, json_response
 from server.responses_input import as_chat_request, stored_items
 from server.responses_output import Event, OutputItems, new_item_id
 from server.responses_protocol import (
@@ -46,7 +43,6 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.streaming import SSEResponse
 from server.tools import ToolCallStream
 
 if TYPE_CHECKING:
@@ -61,10 +57,8 @@ _FIELDS = set(ResponsesRequest.model_fields) | {"text.format"}
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    state.check_model(body.model)
-    deadline = request_deadline(state.config, request)
+    handling = Handling.begin(request, body.model)
+    state, llm = handling.state, handling.llm
     owner = key_owner(request)
     earlier: list[InputItem] = []
     if body.previous_response_id is not None:
@@ -74,37 +68,22 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         earlier = stored_items(stored.conversation, stored.response["output"])
     conversation = earlier + body.input_items()
     chat_body = as_chat_request(body, conversation, first_new=len(earlier))
-    if body.tools and len(body.tools) > state.config.max_tools:
-        raise invalid_request(
-            f"tools must hold at most {state.config.max_tools} functions (the server's "
-            f"max_tools setting), got {len(body.tools)}",
-            "tools",
-        )
+    handling.check_tool_count(len(body.tools or ()))
     syntax, tools = state.tool_syntax(), ChatTools.of(chat_body)
     aliases = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
     with user_errors(_FIELDS, aliases=aliases):
         params = chat_body.sampling_params(
             max_tokens=body.max_output_tokens, logprobs=None, defaults=llm.default_sampling
         )
-        if tools is not None and params.structured_outputs is None:
-            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            params = dataclasses.replace(
-                params, structured_outputs=tools.structured_outputs(syntax)
-            )
-        messages, template_tools = template_inputs(chat_body, syntax, tools)
-        try:
-            prompt = await llm.process_chat(messages, params, template_tools)
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "input") from exc
-    turn = _Turn(state, llm, body, prompt, syntax, tools, deadline, owner, conversation)
-    ticket = state.admission.admit(1)
+        inputs = template_inputs(chat_body, syntax, tools)
+        # No reasoning parser here yet: the reply is all answer (docs/responses.md).
+        prompt = await handling.chat_prompt(params, tools, syntax, None, inputs, aliases, "input")
+    turn = _Turn(state, llm, body, prompt, syntax, tools, handling.deadline, owner, conversation)
     if body.stream:
-        return SSEResponse(turn.events(http_request_id(request)), on_close=ticket.release)
-    with ticket:
-        final = await cancel_on_disconnect(request, turn.run())
-    response = turn.response(final)
+        return handling.stream(1, turn.events)
+    response = turn.response(await handling.run(1, turn.run))
     await turn.keep(response)
-    return Response(response.model_dump_json(), media_type="application/json")
+    return json_response(response)
 
 
 @router.get("/v1/responses/{response_id}", response_model=None)

@@ -81,6 +81,7 @@ def as_chat_request(
             "tool_choice": _chat_tool_choice(body.tool_choice),
             "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": _response_format(body),
+            "priority": body.priority,
         }
     )
 

@@ -217,6 +217,8 @@ class ResponsesRequest(_Body):
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
+    # vLLM's extension, as on chat: a lower value is served first under the priority policy.
+    priority: int | None = None
 
     @model_validator(mode="before")
     @classmethod

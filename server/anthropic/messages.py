@@ -9,7 +9,6 @@ thinking (server/reasoning.py), text and tool uses, as JSON or as Anthropic's ev
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,7 +19,7 @@ from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
 from engine.sampling.defaults import with_defaults
 from engine.sampling.params import SamplingParams, StructuredOutputs
-from server.admission import Deadline, request_deadline
+from server.admission import Deadline
 from server.anthropic.conversation import chat_tools, reply_blocks, template_inputs, tool_use
 from server.anthropic.errors import AnthropicRoute, error_body
 from server.anthropic.events import PING, ContentBlocks, event
@@ -34,13 +33,11 @@ from server.anthropic.protocol import (
 )
 from server.auth import require_api_key
 from server.chat_tools import ChatTools, ToolSyntax
-from server.disconnect import cancel_on_disconnect
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
-from server.errors import request_id as http_request_id
 from server.generation import final_outputs, generate, new_request_id
-from server.reasoning import ReasoningSyntax, answer_only, split_reasoning
-from server.state import ServerState, server_state
-from server.streaming import SSEResponse
+from server.handling import Handling, json_response
+from server.reasoning import ReasoningSyntax, split_reasoning
+from server.state import ServerState
 from server.tools import ToolCallStream
 
 if TYPE_CHECKING:
@@ -54,64 +51,35 @@ _FIELDS = {*MessagesRequest.model_fields, "output_config.format"}
 
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    state.check_model(body.model)
-    deadline = request_deadline(state.config, request)
-    syntax, tools = state.tool_syntax(), _checked_tools(state, body)
+    handling = Handling.begin(request, body.model)
+    state, llm = handling.state, handling.llm
+    handling.check_tool_count(len(body.tools or ()))
+    syntax, tools, reasoning = state.tool_syntax(), chat_tools(body), state.reasoning_syntax()
     aliases = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
-    reasoning = state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = _sampling_params(body, llm.default_sampling)
-        # As chat's: the format or a forced call holds the answer only, after the reasoning.
-        spec = answer_only(params.structured_outputs, reasoning)
-        if tools is not None and spec is None:
-            aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            spec = tools.structured_outputs(syntax)
-            if tools.forced is not None:
-                spec = answer_only(spec, reasoning)
-        params = dataclasses.replace(params, structured_outputs=spec)
-        messages, template_tools, variables = template_inputs(body, syntax, tools)
-        try:
-            prompt = await llm.process_chat(messages, params, template_tools, variables)
-        except ChatTemplateError as exc:
-            raise invalid_request(str(exc), "messages") from exc
-    reply = _Reply(state, llm, body, prompt, syntax, tools, reasoning, deadline)
-    ticket = state.admission.admit(1)
+        inputs = template_inputs(body, syntax, tools)
+        prompt = await handling.chat_prompt(params, tools, syntax, reasoning, inputs, aliases)
+    reply = _Reply(state, llm, body, prompt, syntax, tools, reasoning, handling.deadline)
     if body.stream:
-        return SSEResponse(reply.events(http_request_id(request)), on_close=ticket.release)
-    with ticket:
-        final = await cancel_on_disconnect(request, reply.run())
-    return Response(reply.response(final).model_dump_json(), media_type="application/json")
+        return handling.stream(1, reply.events)
+    return json_response(reply.response(await handling.run(1, reply.run)))
 
 
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt tokens /v1/messages would take for this conversation and tools."""
-    state = server_state(request)
-    llm = state.ready_llm()
-    state.check_model(body.model)
-    syntax = state.tool_syntax()
-    messages, template_tools, variables = template_inputs(body, syntax, _checked_tools(state, body))
+    handling = Handling.begin(request, body.model)
+    handling.check_tool_count(len(body.tools or ()))
+    syntax = handling.state.tool_syntax()
+    messages, template_tools, variables = template_inputs(body, syntax, chat_tools(body))
     try:
-        tokens = await llm.render_chat(messages, tools=template_tools, template_kwargs=variables)
+        tokens = await handling.llm.render_chat(
+            messages, tools=template_tools, template_kwargs=variables
+        )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
-    return Response(
-        TokenCount(input_tokens=len(tokens)).model_dump_json(), media_type="application/json"
-    )
-
-
-def _checked_tools(
-    state: ServerState, body: MessagesRequest | CountTokensRequest
-) -> ChatTools | None:
-    if body.tools and len(body.tools) > state.config.max_tools:
-        raise invalid_request(
-            f"tools must hold at most {state.config.max_tools} tools (the server's "
-            f"max_tools setting), got {len(body.tools)}",
-            "tools",
-        )
-    return chat_tools(body)
+    return json_response(TokenCount(input_tokens=len(tokens)))
 
 
 def _sampling_params(body: MessagesRequest, defaults: dict[str, Any]) -> SamplingParams:

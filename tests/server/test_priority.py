@@ -158,7 +158,11 @@ def test_fcfs_refuses_a_priority_by_name_on_every_endpoint(fcfs_server: str) -> 
         openai_api.completions.create(
             model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 10}
         )
-    for error in (chat.value, completion.value):
+    with pytest.raises(openai.BadRequestError, match=expected) as response:
+        openai_api.responses.create(
+            model="tiny", input="hi", max_output_tokens=1, extra_body={"priority": 10}
+        )
+    for error in (chat.value, completion.value, response.value):
         assert error.body is not None and error.body["param"] == "priority"  # type: ignore[index]
     with pytest.raises(anthropic.BadRequestError, match=expected):
         anthropic.Anthropic(base_url=fcfs_server, api_key="unused", max_retries=0).messages.create(
@@ -203,3 +207,7 @@ def test_priorities_below_zero_and_on_each_endpoint_are_served(priority_server: 
         extra_body={"priority": 3},
     )
     assert message.stop_reason == "max_tokens"
+    response = openai_api.responses.create(
+        model="tiny", input="hi", max_output_tokens=2, extra_body={"priority": 1}
+    )
+    assert response.status == "incomplete"
