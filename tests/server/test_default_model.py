@@ -10,7 +10,7 @@ import pytest
 
 from engine.model.loader import DEFAULT_MODEL_GENERATION_CONFIG, default_model_folder
 from server.config import ServeConfig
-from tests.server.conftest import client, live_server
+from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -20,18 +20,10 @@ README_BODY = {"model": "SmolLM2-135M-Instruct", "messages": QUESTION}
 
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[str]:
-    config = ServeConfig(
-        model="default",
-        dtype="float32",
-        device="cpu",
-        kv_cache_memory="256MiB",
-        max_model_len=1024,
-        # The start-up profiling pass runs a batch this large; keep it short on a CPU.
-        max_num_batched_tokens=256,
-        # Sampled requests draw from one seeded generator: the same answers on every run.
-        seed=0,
-    )
-    with live_server(config) as url:
+    # The shipped defaults (int4, compiled), with the KV cache of test_invariance's server
+    # so that both load one compiled graph. Sampled requests draw from one seeded
+    # generator: the same answers on every run.
+    with live_server(ServeConfig(**DEFAULT_MODEL_SETTINGS, seed=0)) as url:
         yield url
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from server.config import ServeConfig
-from tests.server.conftest import client, live_server
+from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
 
 pytestmark = pytest.mark.slow
 TOPICS = ["the sea", "a library", "winter", "trains", "bread", "a violin", "the moon", "rain"]
@@ -19,8 +19,7 @@ PROMPTS = [f"Write two sentences about {topic}, version {i}." for i in range(4) 
 
 @pytest.fixture(scope="module")
 def default_server() -> Iterator[str]:
-    # The defaults, except that the KV cache does not claim 90% of the test machine's RAM.
-    with live_server(ServeConfig(kv_cache_memory="512MiB")) as url:
+    with live_server(ServeConfig(**DEFAULT_MODEL_SETTINGS)) as url:
         yield url
 
 
