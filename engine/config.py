@@ -88,10 +88,11 @@ class EngineConfig(BaseModel):
         "request of the highest priority value, latest arrival, is preempted first, also to "
         "admit a waiting request of a lower value); default: fcfs",
     )
-    # Attention: 'cpp' is the C++ kernel that reads KV blocks in place (CPU only);
-    # 'auto' uses it on the CPU when it builds and fits the dtype and head size, else torch.
-    # 'triton' is the Triton kernels (CUDA; not yet run on a GPU in this project, so 'auto'
-    # keeps the torch path on CUDA).
+    # The attention backend, chosen once at start-up (engine/model/attention_backend.py):
+    # 'cpp' is the C++ kernel that reads KV blocks in place (CPU only; fp32 or bf16, head
+    # sizes 32 to 256); 'torch' runs anywhere; 'triton' is the Triton kernels (CUDA; not yet
+    # run on a GPU in this project). 'auto' takes the first that can run the model: on the
+    # CPU cpp, then torch; elsewhere torch. A named backend that cannot run stops start-up.
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
     # Whether steps run eagerly. null (the default): compiled wherever it can be, eager
     # with one warning that says why where it cannot. false on the CPU: every step runs

@@ -14,9 +14,9 @@ import torch
 from cache import BlockManager, bytes_per_block, cdiv, extend_block_hashes, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
 from engine.model import quantized_linear
-from engine.model.attention import register_paged_attention
+from engine.model.attention import bind_attention
+from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
-from engine.model.kernels.paged_attention import supports, unavailable_reason
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
 from engine.model.packed_linear import can_pack, pack_linear_layers
@@ -62,16 +62,18 @@ class LLMEngine:
                     f"quantization '{config.quantization}' cannot run in this engine "
                     f"({self.dtype} on {self.device}): {reason}"
                 )
+        # Loaded with transformers' eager attention, which the probe's and then the chosen
+        # backend's function replace: the backend takes the KV head size the probe finds.
         loaded = load_model(
-            config.model,
-            dtype=self.dtype,
-            device=self.device,
-            attn_implementation=register_paged_attention(
-                config.attention_backend, self.device, self.dtype, config.block_size
-            ),
+            config.model, dtype=self.dtype, device=self.device, attn_implementation="eager"
         )
         # Before any weight is packed: the probe runs the model as loaded.
         self.kv_layout = probe_attention(loaded.model)
+        self.attention = choose_backend(
+            config.attention_backend, self.device, self.dtype, self.kv_layout.head_dim,
+            config.block_size,
+        )  # fmt: skip
+        bind_attention(loaded.model, self.attention.backend)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -191,23 +193,21 @@ class LLMEngine:
         return checkpoint
 
     def _compiles(self, config: EngineConfig) -> bool:
-        """Whether steps run through a compiled forward: on the CPU, where attention is the
-        C++ kernel, with `enforce_eager` false (else a `ConfigError` says why it cannot) or
-        unset (else a warning says why it runs eager). On CUDA `enforce_eager` false means
-        decode graphs, with Triton; unset stays eager there (not yet run on a GPU)."""
+        """Whether steps run through a compiled forward: on the CPU, with an attention
+        backend that `compiles`, with `enforce_eager` false (else a `ConfigError` says why
+        it cannot) or unset (else a warning says why it runs eager). With a backend that
+        only `captures` (Triton), and on CUDA, `enforce_eager` false means decode graphs
+        instead, and unset stays eager (not yet run on a GPU)."""
         if config.enforce_eager:
             return False
-        if self.device.type == "cuda":
-            if config.enforce_eager is None:
-                return False
-            if config.attention_backend != "triton":
+        backend = self.attention.backend
+        if self.device.type == "cuda" or (backend.captures and not backend.compiles):
+            if config.enforce_eager is False and not backend.captures:
                 raise ConfigError(
-                    "enforce_eager false on CUDA (decode graphs) needs attention_backend "
-                    "'triton': the other attention paths read host-side lengths"
+                    "enforce_eager false on CUDA (decode graphs) needs an attention backend "
+                    f"that reads only device tensors ('triton'), not '{backend.name}'"
                 )
             return False
-        if config.attention_backend == "triton":
-            return False  # Triton's interpreter: the decode graphs' path, run eagerly (tests)
         reason = self._cannot_compile_reason(config)
         if reason is None:
             return True
@@ -215,20 +215,22 @@ class LLMEngine:
             logger.warning("serving eager, not compiled: %s", reason)
             return False
         raise ConfigError(
-            "enforce_eager false on the CPU compiles the forward around the C++ attention "
-            f"kernel, which this engine cannot use: {reason}"
+            "enforce_eager false on the CPU compiles the forward, which this engine cannot: "
+            f"{reason}"
         )
 
     def _cannot_compile_reason(self, config: EngineConfig) -> str | None:
         if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
             return "TORCHDYNAMO_DISABLE=1 is set"
-        if config.attention_backend == "torch":
-            return "attention_backend is 'torch'"
-        reason = unavailable_reason()
-        head_dim = self.kv_layout.head_dim
-        if reason is None and not supports(self.dtype, head_dim, self.device):
-            reason = f"the C++ attention kernel does not take {self.dtype} with head_dim {head_dim}"
-        return reason
+        if self.attention.backend.compiles:
+            return None
+        if config.attention_backend != "auto":
+            return f"attention_backend is '{config.attention_backend}'"
+        # Only the CPU gets here, where auto takes torch only after passing over cpp.
+        return "; ".join(
+            f"attention backend '{name}' cannot run here: {reason}"
+            for name, reason in self.attention.passed_over.items()
+        )
 
     def _warm_up(self, config: EngineConfig) -> None:
         """Capture the decode graphs or compile (or load) the forward. With `enforce_eager`

@@ -37,8 +37,8 @@ class PagedAttentionMetadata:
     live on the CPU (`query_start` and `context_lens` are copies), for Python-side work
     that must not wait on the device; they are None in a step replayed from a CUDA graph
     or run by a compiled forward (which also leaves `max_query_len` 0: a Python int would
-    be compiled in as a constant), and only implementations that read the tensors alone
-    can run those.
+    be compiled in as a constant), which only run attention backends that read the
+    tensors alone (`captures`, `compiles`: see `engine.model.attention_backend`).
     """
 
     kv_cache: torch.Tensor

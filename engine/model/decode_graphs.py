@@ -7,8 +7,8 @@ a block that exists, and the forward captured for that bucket replays. Buckets a
 steps with prefill chunks run eagerly.
 
 Invariants: a bucket's static buffer and its attention metadata keep their addresses from
-capture to every replay; the captured forward reads only device tensors (the Triton
-attention backend; the torch paths read host-side lengths and cannot be captured) and the
+capture to every replay; the captured forward reads only device tensors (an attention
+backend that `captures`, Triton's; the engine refuses others here) and the
 block tables through the runner's device copy, gathered inside the graph by row.
 
 Without CUDA (Triton's interpreter, for tests) nothing is captured: the same static,

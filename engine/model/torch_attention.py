@@ -1,11 +1,12 @@
-"""Paged attention in plain torch, for where the C++ kernel does not run.
+"""The `torch` attention backend (`TorchAttention`): paged attention in plain torch, on any
+device, for where no kernel runs (see `engine.model.attention_backend`).
 
 Both functions take the step's packed query rows `q [T, H, D]`, one layer's caches
 `[num_blocks, block_size, Hkv, D]` and the step's `PagedAttentionMetadata`, and return
 `[T, H, D]`: for the row at position p, softmax(scale * q . K^T) V over positions 0..p of
 its sequence, with the layer's `AttentionFeatures` (window, softcap, sinks) applied.
 
-- `blockwise_attention` is the CPU's torch backend. It computes every row, decoded or
+- `blockwise_attention` is the backend's attention on the CPU. It computes every row, decoded or
   prefilled, with the arithmetic of the C++ kernel's contract (not its bits): one KV
   block at a time from block 0, folded into an online softmax, in fp32. Every op is
   elementwise or reduces over a fixed-size axis (head_dim, block_size), so a row's bits
@@ -14,7 +15,7 @@ its sequence, with the layer's `AttentionFeatures` (window, softcap, sinks) appl
   can differ from the vector one in the last bit), so the rows are padded to a multiple
   of `ROW_MULTIPLE`, which makes every tensor here fill whole vectors. It loops over
   blocks in Python: made for correctness on any CPU, not for long prompts.
-- `gathered_attention` is the torch backend on CUDA: decode rows gather their blocks
+- `gathered_attention` is its attention elsewhere (CUDA): decode rows gather their blocks
   and attend in one batched einsum, prefill chunks go through
   `scaled_dot_product_attention`. Fast there, but its reductions depend on the padded
   batch shape and on the kernels cuBLAS and SDPA pick, so a row's bits can depend on
@@ -37,6 +38,51 @@ NO_FEATURES = AttentionFeatures()
 
 # Rows times heads times block_size then fills 64-float vectors for any head count.
 ROW_MULTIPLE = 8
+
+
+class TorchAttention:
+    """The `torch` backend: K/V stored by `index_copy_`, attention by `blockwise_attention`
+    on the CPU (row-invariant) and `gathered_attention` elsewhere. Both read the metadata's
+    host arrays, so it runs neither compiled nor captured; every slot it stores is valid."""
+
+    name = "torch"
+    compiles = False
+    captures = False
+
+    def __init__(self, device: torch.device) -> None:
+        self._attention = blockwise_attention if device.type == "cpu" else gathered_attention
+
+    @staticmethod
+    def unavailable_reason(
+        device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+    ) -> str | None:
+        """None: plain torch runs on every device, dtype and shape."""
+        return None
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slots: torch.Tensor,
+    ) -> None:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        k_cache, v_cache = kv_cache[layer]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        meta: PagedAttentionMetadata,
+        scale: float,
+        features: AttentionFeatures,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[layer]
+        return self._attention(q, k_cache, v_cache, meta, scale, features)
 
 
 def blockwise_attention(

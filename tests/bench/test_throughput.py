@@ -18,12 +18,11 @@ from bench.workloads import (
     shared_prefix_workload,
 )
 from engine.config import ConfigError
-from engine.model.attention import (
-    ATTN_IMPLEMENTATION,
-    ATTN_IMPLEMENTATION_CPP,
-    paged_attention_forward,
-)
-from engine.model.kernels.paged_attention import unavailable_reason
+from engine.model.attention import ATTN_IMPLEMENTATION, paged_attention_forward
+from engine.model.attention_backend import unavailable_reason
+
+# The tiny models' attention in fp32 (head size 32, blocks of 16): 'auto' takes cpp if it can.
+CPP_UNAVAILABLE = unavailable_reason("cpp", torch.device("cpu"), torch.float32, 32, 16)
 
 
 @pytest.fixture(scope="module")
@@ -191,15 +190,16 @@ def test_step_profile_splits_steps_and_restores_attention(tiny_llama: str):
         assert 0 < profile.attention_ms < profile.step_ms
         assert profile.rest_of_model_ms > 0 and profile.no_attention_forward_ms > 0
         assert profile.ops_per_step > 0
-    # The timing wrapper is gone again: the engine's own registration (the torch function,
-    # bound to the C++ kernel where it builds) is back in place.
-    name = ATTN_IMPLEMENTATION if unavailable_reason() else ATTN_IMPLEMENTATION_CPP
-    restored = ALL_ATTENTION_FUNCTIONS[name]
-    assert getattr(restored, "func", restored) is paged_attention_forward
+    # The timing wrapper is gone again: the engine's own registration (the paged function
+    # bound to its backend: the C++ kernel where it builds) is back in place.
+    backend = "torch" if CPP_UNAVAILABLE else "cpp"
+    restored = ALL_ATTENTION_FUNCTIONS[f"{ATTN_IMPLEMENTATION}_{backend}_cpu"]
+    assert restored.func is paged_attention_forward
+    assert restored.keywords["backend"].name == backend
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(unavailable_reason() is not None, reason="the C++ kernel cannot build here")
+@pytest.mark.skipif(CPP_UNAVAILABLE is not None, reason=f"no cpp attention: {CPP_UNAVAILABLE}")
 def test_step_profile_counts_fewer_ops_in_a_compiled_step(tiny_llama: str):
     argv = ["--model", tiny_llama, "--dtype", "float32", "--kv-cache-memory", "16MiB",
             "--batch-sizes", "2", "--context", "20", "--steps", "2"]  # fmt: skip

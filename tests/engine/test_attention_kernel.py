@@ -25,12 +25,12 @@ import pytest
 import torch
 
 from engine.model.attention_metadata import AttentionFeatures, PagedAttentionMetadata
-from engine.model.kernels import cpp_extension, custom_ops
+from engine.model.kernels import cpp_extension
 from engine.model.kernels import paged_attention as kernel_module
 from engine.model.kernels.paged_attention import (
+    CppAttention,
     KernelUnavailableError,
     load_attention_kernel,
-    supports,
     unavailable_reason,
 )
 from engine.model.torch_attention import blockwise_attention, gathered_attention
@@ -513,10 +513,10 @@ def test_features_at_their_neutral_values_change_no_bit(dtype: torch.dtype) -> N
 
 
 def test_registered_op_takes_the_features() -> None:
-    """`torch.ops.pagedserve.paged_attention` (compiled forwards' path) and the pybind
-    function called positionally, as the callers do, give the wrapper's bits."""
+    """`torch.ops.pagedserve.paged_attention` (the `cpp` backend's path), the pybind
+    function called positionally and the backend itself give the wrapper's bits."""
     skip_without_kernel()
-    custom_ops.register_kernel_ops()
+    kernel_module.register_kernel_ops()
     case = make_case(FEATURE_LENGTHS, 9, 3, 64, 16, torch.bfloat16, seed=8, queries=FEATURE_QUERIES)
     case = with_features(case, sliding_window=9, softcap=5.0, sinks=True)
     expected = run_kernel(case)
@@ -526,29 +526,30 @@ def test_registered_op_takes_the_features() -> None:
         case.q, case.kv_cache, 1, tables, starts, lens, case.scale, 9, 5.0, case.sinks
     )
     assert torch.equal(op, expected)
-    wrapped = custom_ops.paged_attention(
-        case.q, case.kv_cache, 1, tables, starts, lens, case.scale,
-        sliding_window=9, softcap=5.0, sinks=case.sinks,
-    )  # fmt: skip
-    assert torch.equal(wrapped, expected)
     kernel = load_attention_kernel()
     assert kernel is not None
     positional = kernel(
         case.q, case.k_cache, case.v_cache, tables, starts, lens, case.scale, 9, 5.0, case.sinks
     )
     assert torch.equal(positional, expected)
+    backend = CppAttention(torch.device("cpu"))  # the engine's path, eager and compiled
+    features = AttentionFeatures(sliding_window=9, softcap=5.0, sinks=case.sinks)
+    attended = backend.attend(case.q, case.kv_cache, 1, case.metadata(), case.scale, features)
+    assert torch.equal(attended, expected)
     plain = torch.ops.pagedserve.paged_attention(
         case.q, case.kv_cache, 1, tables, starts, lens, case.scale, 0, 0.0, None
     )
     assert torch.equal(plain, run_kernel(replace(case, sliding_window=0, softcap=0.0, sinks=None)))
 
 
-def test_supports() -> None:
+def test_the_backend_names_what_the_kernel_does_not_take() -> None:
     cpu = torch.device("cpu")
-    assert supports(torch.bfloat16, 64, cpu) and supports(torch.float32, 128, cpu)
-    assert not supports(torch.float16, 64, cpu)
-    assert not supports(torch.float32, 80, cpu)
-    assert not supports(torch.float32, 64, torch.device("cuda"))
+    reason = CppAttention.unavailable_reason
+    assert "runs on the CPU, not on cuda" in reason(torch.device("cuda"), torch.float32, 64, 16)
+    assert "float32 or bfloat16, not torch.float16" in reason(cpu, torch.float16, 64, 16)
+    assert "head sizes 32, 64, 96, 128, 256, not 80" in reason(cpu, torch.float32, 80, 16)
+    for dtype, head_size in ((torch.bfloat16, 64), (torch.float32, 128)):
+        assert reason(cpu, dtype, head_size, 16) == unavailable_reason()  # the build's, if any
 
 
 @pytest.mark.parametrize(

@@ -22,13 +22,16 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, cache_root
+from engine.model.attention_backend import unavailable_reason
 from engine.model.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
-from engine.model.kernels import custom_ops
-from engine.model.kernels.paged_attention import load_attention_kernel
+
+CPU = torch.device("cpu")
+# The tiny models' attention: fp32, head size 32, blocks of 16.
+CPP_UNAVAILABLE = unavailable_reason("cpp", CPU, torch.float32, 32, 16)
 
 pytestmark = [
     pytest.mark.slow,
-    pytest.mark.skipif(load_attention_kernel() is None, reason="the C++ kernel cannot build here"),
+    pytest.mark.skipif(CPP_UNAVAILABLE is not None, reason=f"no cpp attention: {CPP_UNAVAILABLE}"),
 ]
 
 PROMPTS = [
@@ -89,11 +92,12 @@ def test_quantized_linears_run_compiled_too(tiny_model_paths) -> None:
 
 
 def test_padding_rows_store_nothing_and_attention_matches_the_kernel() -> None:
+    from engine.model.kernels.paged_attention import CppAttention, load_attention_kernel
+
     torch.manual_seed(0)
     kv_cache = torch.zeros(2, 2, 4, 16, 2, 64)
     key, value = torch.randn(3, 2, 64), torch.randn(3, 2, 64)
-    custom_ops.register_kernel_ops()
-    custom_ops.store_kv(key, value, kv_cache, 1, torch.tensor([5, -1, 17]))
+    CppAttention(CPU).store_kv(key, value, kv_cache, 1, torch.tensor([5, -1, 17]))
     k_cache, v_cache = kv_cache[1]
     assert torch.equal(k_cache.view(-1, 2, 64)[[5, 17]], key[[0, 2]])
     assert torch.equal(v_cache.view(-1, 2, 64)[[5, 17]], value[[0, 2]])
@@ -105,7 +109,9 @@ def test_padding_rows_store_nothing_and_attention_matches_the_kernel() -> None:
     kernel = load_attention_kernel()
     assert kernel is not None
     expected = kernel(q, k_cache, v_cache, tables, starts, lens, 0.125)
-    got = custom_ops.paged_attention(q, kv_cache, 1, tables, starts, lens, 0.125)
+    got = torch.ops.pagedserve.paged_attention(
+        q, kv_cache, 1, tables, starts, lens, 0.125, 0, 0.0, None
+    )
     assert torch.equal(got, expected) and got.is_contiguous()
 
 

@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from engine.model.attention import ATTN_IMPLEMENTATION
 from engine.model.kernels import group_linear, paged_attention
 from engine.model.kernels.cpp_extension import CFLAGS, CppExtension
 
@@ -79,14 +78,14 @@ def test_the_check_rejects_cxx20(cxx20: str, tmp_path: Path) -> None:
 FALLBACK = """
 import logging, torch
 from engine.config import ConfigError
-from engine.model.attention import register_paged_attention
+from engine.model.attention_backend import choose_backend
 from engine.model.kernels.paged_attention import load_attention_kernel
 logging.basicConfig(format="%(levelname)s %(message)s")
 assert [load_attention_kernel() for _ in range(3)] == [None] * 3
 cpu = torch.device("cpu")
-print(register_paged_attention("auto", cpu))
+print(choose_backend("auto", cpu, torch.float32, 64, 16).backend.name)
 try:
-    register_paged_attention("cpp", cpu)
+    choose_backend("cpp", cpu, torch.float32, 64, 16)
 except ConfigError as exc:
     print(exc)
 """
@@ -100,7 +99,7 @@ def test_without_a_compiler_attention_stays_on_torch_with_one_warning(tmp_path: 
     )
     assert result.returncode == 0, result.stderr[-2000:]
     auto, cpp_error = result.stdout.splitlines()
-    assert auto == ATTN_IMPLEMENTATION
+    assert auto == "torch"
     assert cpp_error.startswith("attention_backend 'cpp'")
     assert "no C++ compiler 'no-such-compiler-pagedserve'" in cpp_error
     warnings = [line for line in result.stderr.splitlines() if line.startswith("WARNING")]

@@ -9,8 +9,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.errors import EngineError, UnsupportedModelError
-from engine.model.attention import ATTN_IMPLEMENTATION_CPP
-from engine.model.kernels.paged_attention import unavailable_reason
+from engine.model.attention_backend import unavailable_reason
 
 
 @pytest.fixture(scope="module")
@@ -169,10 +168,12 @@ def test_unchunked_prefill_needs_a_budget_for_the_longest_prompt(tiny_model_path
 
 
 def test_auto_backend_runs_decode_through_the_cpp_kernel(llm: LLM):
-    # The tiny models' head_dim (32) is one the kernel takes.
-    if (reason := unavailable_reason()) is not None:
+    engine = llm.engine
+    reason = unavailable_reason("cpp", engine.device, engine.dtype, 32, engine.block_size)
+    if reason is not None:
         pytest.skip(f"C++ kernel unavailable: {reason}")
-    assert llm.engine.model.config._attn_implementation == ATTN_IMPLEMENTATION_CPP
+    assert engine.attention.backend.name == "cpp" and not engine.attention.passed_over
+    assert engine.model.config._attn_implementation == "pagedserve_cpp_cpu"
 
 
 def test_engine_outputs_carry_only_what_each_step_added(llm: LLM):

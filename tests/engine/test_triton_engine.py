@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
-from engine.model.attention import register_paged_attention
+from engine.model.attention_backend import choose_backend
 from engine.model.decode_graphs import decode_buckets
 from tests.engine.test_greedy_equivalence import (
     MAX_TOKENS,
@@ -100,8 +100,8 @@ def test_buckets() -> None:
 
 def test_triton_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     cpu = torch.device("cpu")
-    with pytest.raises(ConfigError, match="block_size"):
-        register_paged_attention("triton", cpu, torch.float32, block_size=8)
+    with pytest.raises(ConfigError, match=r"attention_backend 'triton' .*block_size 8"):
+        choose_backend("triton", cpu, torch.float32, 32, block_size=8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigError, match="runs on CUDA"):
-        register_paged_attention("triton", cpu, torch.float32, block_size=16)
+    with pytest.raises(ConfigError, match=r"attention_backend 'triton' .*runs on CUDA"):
+        choose_backend("triton", cpu, torch.float32, 32, block_size=16)

@@ -1,1 +1,2 @@
-"""Native CPU kernels, built on first use; every one has a torch fallback."""
+"""Native kernels: C++ for the CPU (built on first use) and Triton for CUDA. The attention
+kernels are optional rooms, reached only through `engine.model.attention_backend`."""

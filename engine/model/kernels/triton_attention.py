@@ -1,4 +1,5 @@
-"""Paged attention and the K/V store as Triton kernels, for CUDA.
+"""The `triton` attention backend (`TritonAttention`): paged attention and the K/V store as
+Triton kernels, for CUDA.
 
 `paged_attention` has the contract of the C++ kernel (`kernels.paged_attention`): packed
 query rows `q [T, H, D]`, one layer's caches `[num_blocks, block_size, Hkv, D]` read in
@@ -34,6 +35,8 @@ import torch
 import triton
 import triton.language as tl
 
+from engine.model.attention_metadata import AttentionFeatures, PagedAttentionMetadata
+
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Flattened query rows (rows x heads of a KV head) per program: tl.dot needs 16 or more.
 TILE_ROWS = 32
@@ -47,6 +50,60 @@ def supports(dtype: torch.dtype, block_size: int) -> bool:
 def interpreted() -> bool:
     """Whether Triton runs kernels through its interpreter in this process."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+class TritonAttention:
+    """The `triton` backend: `store_kv` and `paged_attention` over one layer of the KV
+    tensor. Both read only the metadata's device tensors and `max_query_len`, so the decode
+    graphs capture them (`captures`); the compiled forward (the CPU's) does not run them."""
+
+    name = "triton"
+    compiles = False
+    captures = True
+
+    def __init__(self, device: torch.device) -> None:
+        """Nothing to prepare: Triton compiles each kernel at its first launch."""
+
+    @staticmethod
+    def unavailable_reason(
+        device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+    ) -> str | None:
+        """Why the kernels cannot run for these: off CUDA (unless interpreted), or a dtype
+        or block size they do not take."""
+        if device.type != "cuda" and not interpreted():
+            return "Triton attention runs on CUDA (on the CPU only under TRITON_INTERPRET=1)"
+        if not supports(dtype, block_size):
+            return (
+                "the Triton kernels take fp32, fp16 or bf16 and a power-of-two block_size of "
+                f"16 or more, not {dtype} with block_size {block_size}"
+            )
+        return None
+
+    def store_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        slots: torch.Tensor,
+    ) -> None:
+        k_cache, v_cache = kv_cache[layer]
+        store_kv(key, value, k_cache, v_cache, slots)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        kv_cache: torch.Tensor,
+        layer: int,
+        meta: PagedAttentionMetadata,
+        scale: float,
+        features: AttentionFeatures,
+    ) -> torch.Tensor:
+        k_cache, v_cache = kv_cache[layer]
+        return paged_attention(
+            q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.context_lens, scale,
+            meta.max_query_len, features.sliding_window, features.softcap, features.sinks,
+        )  # fmt: skip
 
 
 @triton.jit
