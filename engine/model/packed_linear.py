@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.bf16_linear import Bf16Linear, runs_kernel
 from engine.model.opaque_linear import OpaqueLinear
 
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
@@ -119,11 +120,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 @torch.inference_mode()
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every plain `nn.Linear` of `model` by a `PackedLinear`; return how many.
+    """Replace every plain `nn.Linear` of `model` by a `Bf16Linear` where the row-invariant
+    bf16 kernel takes it (`bf16_linear.runs_kernel`), else by a `PackedLinear`; return how
+    many.
 
     Call only when `can_pack` holds for the model's device and dtype.
     """
-    return replace_linear_layers(model, PackedLinear)
+    return replace_linear_layers(
+        model, lambda linear: Bf16Linear(linear) if runs_kernel(linear) else PackedLinear(linear)
+    )
 
 
 def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:
