@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from engine.model.bf16_linear import Bf16Linear
+from engine.model.kernels import bf16_linear
 from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 from engine.model.quantized_linear import HEAD_BITS, MODES, QuantizedLinear
 
@@ -98,7 +99,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     parser.add_argument("--budget", type=float, default=0.3, help="seconds per path and cell")
+    parser.add_argument(
+        "--without-amx",
+        action="store_true",
+        help="the bf16 kernel on AVX512-BF16 alone, as a CPU without AMX runs it",
+    )
     args = parser.parse_args()
+    if args.without_amx:
+        bf16_linear.EXTENSION.load().set_amx(False)
     torch.set_num_threads(1)  # the clock counts the calling thread only
     print(f"1 thread, {torch.backends.cpu.get_cpu_capability()}; µs of CPU time, median")
     for dtype_name in args.dtypes:

@@ -20,16 +20,20 @@
 //   that each row runs the very same instruction sequence at any row count. It needs K a
 //   multiple of 32; a layer without runs the AVX512-BF16 code at every row count.
 // `set_amx(false)` turns AMX off for the process (tests check both sets' invariance).
-// Why AMX at every row count where there is AMX: on a 2-core Xeon (one thread, a SmolLM2
-// step's linears, bench.linear_kernels) the AVX512-BF16 code took 10 ms at 1 row against
-// AMX's 20 (oneDNN: 38), but 157 against 33 ms at 64 rows and 1,280 against 198 at 512
-// (oneDNN: 187): decode on AMX is still faster than oneDNN, prefill on AVX512-BF16 is not
-// anywhere near it, and mixing the two by row count would break the row invariance.
+// Why AMX at every row count where there is AMX: on a 2-core Xeon (one thread's CPU time
+// of a SmolLM2 step's linears, `python -m bench.linear_kernels --dtypes bfloat16`, two
+// runs each with and without `--without-amx`, 2026-11-25), AMX took 23-24 ms at 1 row,
+// 23-24 at 16, 34-37 at 64 and 131-157 at 512 rows; AVX512-BF16 alone 22 ms at 1 row but
+// 54, 164-166 and 1,209-1,237; oneDNN 36-39, 33-36, 42-47 and 134-154. AMX is as fast as
+// AVX512-BF16 at decode and near oneDNN in prefill; mixing the two by row count would
+// break the row invariance.
 //
 // Blocking, which never changes an element's arithmetic: tasks of at::parallel_for take
 // runs of output tiles; AVX512-BF16 takes 4 rows x 4 tiles at a time (16 accumulators,
-// each weight vector loaded once per 4 rows); AMX takes 16 rows x 2 tiles, its A and B
-// tiles double-buffered so that a step's loads never wait for the previous step's tile
+// each weight vector loaded once per 4 rows); AMX takes two blocks of 16 rows x 2 tiles
+// where a call has more than 16 rows (each A and B tile loaded once for two tile
+// products: 512 rows 165 -> 130 ms), else one block x 2 tiles with its A and B tiles
+// double-buffered so that a step's loads never wait for the previous step's tile
 // products (with one A tile and three B tiles reused in turn, a 576 x 576 layer's call
 // from the cache took 12.4 against 9.3 us at 1 row).
 //
@@ -243,26 +247,69 @@ void amx_block(const uint16_t* a, int64_t a_stride, int64_t k, const uint16_t* w
   if constexpr (Tiles > 1) _tile_stored(7, c + kAmxRows * kTile, 64);
 }
 
-// The rows of x against tiles t0..t0+tiles-1 on AMX: whole blocks of 16 rows read x in
-// place; the last `tail` rows (fewer than 16) read `padded` [16, K], their copy.
+// Two blocks of 16 rows, a0 and a1, against tiles t0 and t0 + 1: each A and B tile loaded
+// once per step for two tile products (tmm0-1 A, tmm2-3 B, tmm4-7 C), their fp32 sums into
+// c0 and c1 [2][16 rows][16], as `amx_block<2>` computes them.
+void amx_block_pair(const uint16_t* a0, const uint16_t* a1, int64_t k, const uint16_t* w,
+                    int64_t t0, float* c0, float* c1) {
+  const int64_t pairs = k / 2;
+  const auto b = [&](int64_t tile, int64_t step) {
+    return w + ((t0 + tile) * pairs + step * (kAmxDepth / 2)) * 32;
+  };
+  _tile_zero(4);
+  _tile_zero(5);
+  _tile_zero(6);
+  _tile_zero(7);
+  for (int64_t step = 0; step < k / kAmxDepth; ++step) {
+    _tile_loadd(0, a0 + step * kAmxDepth, k * 2);
+    _tile_loadd(2, b(0, step), 64);
+    _tile_dpbf16ps(4, 0, 2);
+    _tile_loadd(3, b(1, step), 64);
+    _tile_dpbf16ps(5, 0, 3);
+    _tile_loadd(1, a1 + step * kAmxDepth, k * 2);
+    _tile_dpbf16ps(6, 1, 2);
+    _tile_dpbf16ps(7, 1, 3);
+  }
+  _tile_stored(4, c0, 64);
+  _tile_stored(5, c0 + kAmxRows * kTile, 64);
+  _tile_stored(6, c1, 64);
+  _tile_stored(7, c1 + kAmxRows * kTile, 64);
+}
+
+// The rows of x against tiles t0..t0+tiles-1 on AMX, two blocks of 16 rows at a time where
+// there are two: whole blocks read x in place; the last rows short of a block (fewer than
+// 16) read `padded` [16, K], their copy.
 void amx_tiles(const uint16_t* x, int64_t m, int64_t k, const uint16_t* padded,
                const Part& part, int64_t t0, int64_t tiles) {
-  alignas(64) float c[kBlockTiles * kAmxRows * kTile];
+  constexpr int64_t kTileFloats = kAmxRows * kTile;
+  alignas(64) float c[2][kBlockTiles * kTileFloats];
   const int64_t whole = m / kAmxRows * kAmxRows;
-  for (int64_t r0 = 0; r0 < m; r0 += kAmxRows) {
-    const bool in_place = r0 < whole;
-    const uint16_t* a = in_place ? x + r0 * k : padded;
+  const auto block = [&](int64_t r0) { return r0 < whole ? x + r0 * k : padded; };
+  for (int64_t r0 = 0; r0 < m; r0 += 2 * kAmxRows) {
+    const int64_t blocks = r0 + kAmxRows < m ? 2 : 1;
     for (int64_t tile = 0; tile < tiles; tile += 2) {
-      if (tiles - tile >= 2) {
-        amx_block<2>(a, k, k, part.w, t0 + tile, c + tile * kAmxRows * kTile);
-      } else {
-        amx_block<1>(a, k, k, part.w, t0 + tile, c + tile * kAmxRows * kTile);
+      if (blocks == 2 && tiles - tile >= 2) {
+        amx_block_pair(block(r0), block(r0 + kAmxRows), k, part.w, t0 + tile,
+                       c[0] + tile * kTileFloats, c[1] + tile * kTileFloats);
+        continue;
+      }
+      for (int64_t i = 0; i < blocks; ++i) {
+        const uint16_t* a = block(r0 + i * kAmxRows);
+        if (tiles - tile >= 2) {
+          amx_block<2>(a, k, k, part.w, t0 + tile, c[i] + tile * kTileFloats);
+        } else {
+          amx_block<1>(a, k, k, part.w, t0 + tile, c[i] + tile * kTileFloats);
+        }
       }
     }
-    const int64_t rows = std::min(kAmxRows, m - r0);
-    for (int64_t tile = 0; tile < tiles; ++tile) {
-      for (int64_t r = 0; r < rows; ++r) {
-        store_row(_mm512_load_ps(c + (tile * kAmxRows + r) * kTile), part, r0 + r, t0 + tile);
+    for (int64_t i = 0; i < blocks; ++i) {
+      const int64_t first = r0 + i * kAmxRows;
+      const int64_t rows = std::min(kAmxRows, m - first);
+      for (int64_t tile = 0; tile < tiles; ++tile) {
+        for (int64_t r = 0; r < rows; ++r) {
+          store_row(_mm512_load_ps(c[i] + tile * kTileFloats + r * kTile), part, first + r,
+                    t0 + tile);
+        }
       }
     }
   }
