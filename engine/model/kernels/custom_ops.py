@@ -6,6 +6,9 @@ would undo what compiling buys, so the calls that hold the arithmetic are ops of
 and write:
 - `linear(x, handle)` (`opaque_linear`): a packed linear, defined here, computed in Python;
 - `quantized_linear(x, handle)` (`kernels/group_linear.cpp`): the quantized linears, in C++;
+- `bf16_linear(x, handle)` (`kernels/bf16_linear.cpp`): the unquantized bf16 linears on
+  the row-invariant kernel, in C++ (both linear ops have a `_group` twin for layers that
+  read one input, `linear_groups`);
 - `store_kv` and `paged_attention` (`kernels/paged_attention.cpp`): the K/V store and the
   paged attention kernel, in C++, defined when that extension loads (`register_kernel_ops`
   adds their fakes). They take the whole KV tensor `[num_layers, 2, num_blocks,
