@@ -59,14 +59,16 @@ COPY server /build/server
 COPY pagedserve /build/pagedserve
 COPY bench /build/bench
 RUN pip install --no-deps /build
-# The C++ kernels (paged attention, the group-quantized linear) are built with -march=native
-# for the CPU of the machine building the image; the runtime stage loads them without a
-# compiler. On a different CPU their folder names (a hash of the CPU flags) do not match:
-# the server logs one warning and attends with torch, and `quantization` stops with a
-# ConfigError.
+# The C++ kernels (paged attention, the group-quantized linear and, where the CPU has
+# AVX512-BF16, the row-invariant bf16 linear) are built with -march=native for the CPU of
+# the machine building the image; the runtime stage loads them without a compiler. On a
+# different CPU their folder names (a hash of the CPU flags) do not match: the server logs
+# one warning and attends with torch, `quantization` stops with a ConfigError, and bf16
+# linears stay on oneDNN.
 RUN PAGEDSERVE_CACHE=/opt/pagedserve-cache python -c "from engine.model.kernels.paged_attention \
-import load_attention_kernel; from engine.model.kernels import group_linear; \
-assert load_attention_kernel() is not None; group_linear.EXTENSION.load()"
+import load_attention_kernel; from engine.model.kernels import bf16_linear, group_linear; \
+assert load_attention_kernel() is not None; group_linear.EXTENSION.load(); \
+bf16_linear.unavailable_reason()"
 # Only /opt/pagedserve leaves this stage, so what the server never loads is deleted here:
 # torch's CMake files, torch's C++ test programs (keeping torch_shm_manager, which
 # torch.multiprocessing runs), the packages' tests folders, the static symbol tables of

@@ -1,16 +1,21 @@
 """Linear layers with weights reordered once into oneDNN's blocked layout, for the CPU.
 
-Two reasons to run every CPU linear through oneDNN with a packed weight:
+Two reasons to run CPU linears through oneDNN with a packed weight:
 
 - Row invariance. Each row of `x W^T` must have the same bits however many rows are
   computed with it, or a request's output would depend on what else the engine runs
   (see the README's "Deterministic outputs"). MKL's fp32 `F.linear`, which transformers
   uses, sums remainder rows of small batches (1-3, 5-7 and 9-11 rows of a call on an AVX2
   CPU) in another order than rows of large ones. oneDNN's packed linear gives every row
-  the same bits for any row count of at least two; a single row takes a path of its own
-  for bf16 on AVX-512 CPUs, so `PackedLinear` pads a one-row input to two rows.
-  `tests/engine/test_packed_linear.py` checks this on the CPU it runs on, for every
-  dtype packed there.
+  the same bits for any row count of at least two in fp32 and fp16; a single row takes a
+  path of its own for bf16 on AVX-512 CPUs, so `PackedLinear` pads a one-row input to two
+  rows. In bf16 oneDNN is not row-invariant on CPUs with AVX512-BF16 (with or without
+  AMX): its blocking, and with it the order of each sum, follows the row count (rows of
+  3- to 40-row calls had other bits than in a 600-row call). There `pack_linear_layers`
+  takes the row-invariant C++ kernel instead (`bf16_linear.Bf16Linear`); bf16 stays on
+  oneDNN, with that defect, only where the kernel cannot run (no AVX512-BF16, no C++
+  compiler, an odd number of inputs). `tests/engine/test_packed_linear.py` checks every
+  layer the engine packs on the CPU it runs on.
 - Speed. `F.linear` hands the weight to the library in row-major layout at every call,
   and the library reorders it each time; at decode's small row counts that is a large
   share of the call. Packed, SmolLM2's decode-step linears are about 2x faster at 2-8
@@ -18,12 +23,13 @@ Two reasons to run every CPU linear through oneDNN with a packed weight:
 
 The price: in fp32 oneDNN sums in another order than MKL, so logits differ from
 transformers' own by about 1e-6 relative (greedy tokens still equal `generate()`'s in
-the tests); in bf16 packing is bit-identical to `F.linear`. And oneDNN keeps what it
-builds for every input shape, so calls are padded to a few row counts (`padded_rows`).
+the tests); in bf16 packing is bit-identical to `F.linear` (the row-invariant kernel is
+not: see `bf16_linear`). And oneDNN keeps what it builds for every input shape, so calls
+are padded to a few row counts (`padded_rows`).
 
-`pack_linear_layers` swaps each `nn.Linear` of a model for a `PackedLinear`; the packed
-copy replaces the original weight, which stays alive only where another module shares it
-(a tied LM head keeps the input embedding's table).
+`pack_linear_layers` swaps each `nn.Linear` of a model for a `PackedLinear` (or a
+`Bf16Linear`); the packed copy replaces the original weight, which stays alive only where
+another module shares it (a tied LM head keeps the input embedding's table).
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.model.bf16_linear import Bf16Linear, runs_kernel
 from engine.model.opaque_linear import OpaqueLinear
 
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
@@ -119,11 +126,15 @@ def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
 
 @torch.inference_mode()
 def pack_linear_layers(model: nn.Module) -> int:
-    """Replace every plain `nn.Linear` of `model` by a `PackedLinear`; return how many.
+    """Replace every plain `nn.Linear` of `model` by a `Bf16Linear` where the row-invariant
+    bf16 kernel takes it (`bf16_linear.runs_kernel`), else by a `PackedLinear`; return how
+    many.
 
     Call only when `can_pack` holds for the model's device and dtype.
     """
-    return replace_linear_layers(model, PackedLinear)
+    return replace_linear_layers(
+        model, lambda linear: Bf16Linear(linear) if runs_kernel(linear) else PackedLinear(linear)
+    )
 
 
 def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:

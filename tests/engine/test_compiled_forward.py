@@ -23,7 +23,9 @@ from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, cache_root
 from engine.model.attention_backend import unavailable_reason
+from engine.model.bf16_linear import Bf16Linear
 from engine.model.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
+from engine.model.kernels import bf16_linear
 
 CPU = torch.device("cpu")
 # The tiny models' attention: fp32, head size 32, blocks of 16.
@@ -89,6 +91,21 @@ def test_quantized_linears_run_compiled_too(tiny_model_paths) -> None:
     compiled = LLM(str(tiny_model_paths["llama"]), enforce_eager=False, **settings)
     expected, got = outputs(eager, PROMPTS), outputs(compiled, PROMPTS)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
+
+
+def test_bf16_linears_run_compiled_on_the_row_invariant_kernel(tiny_model_paths) -> None:
+    if bf16_linear.unavailable_reason() is not None:
+        pytest.skip("the bf16 kernel cannot run here")
+    llm = LLM(
+        str(tiny_model_paths["llama"]),
+        dtype="bfloat16",
+        enforce_eager=False,
+        kv_cache_memory="4MiB",
+    )
+    assert llm.engine.runner.compiled is not None
+    assert any(isinstance(m, Bf16Linear) for m in llm.engine.model.modules())
+    alone = [outputs(llm, [prompt])[0] for prompt in PROMPTS]
+    assert outputs(llm, PROMPTS) == alone
 
 
 def test_padding_rows_store_nothing_and_attention_matches_the_kernel() -> None:

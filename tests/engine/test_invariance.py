@@ -2,8 +2,9 @@
 alone, in a batch, in small chunks, after preemption and after prefix-cache hits.
 
 The real default model on real text, compared with `==` on floats, never a tolerance, in
-bf16 (the default dtype on CPUs with AVX512-BF16), in fp32, and with the pure-torch
-attention backend in the dtype this CPU defaults to.
+bf16 (the default dtype on CPUs with AVX512-BF16) as served (the checkpoint's int4) and
+unquantized (the row-invariant bf16 kernel where the CPU has AVX512-BF16), in fp32, and
+with the pure-torch attention backend in the dtype this CPU defaults to.
 """
 
 from __future__ import annotations
@@ -44,8 +45,13 @@ def kv_memory(llm: LLM, blocks: int) -> int:
 
 @pytest.fixture(
     scope="module",
-    params=[{"dtype": "bfloat16"}, {"dtype": "float32"}, {"attention_backend": "torch"}],
-    ids=["bf16", "fp32", "torch-attention"],
+    params=[
+        {"dtype": "bfloat16"},
+        {"dtype": "bfloat16", "quantization": "none"},
+        {"dtype": "float32"},
+        {"attention_backend": "torch"},
+    ],
+    ids=["bf16", "bf16-unquantized", "fp32", "torch-attention"],
 )
 def setup(request: pytest.FixtureRequest) -> Iterator[tuple[dict[str, Any], Result]]:
     """The settings under test and each prompt's output computed alone."""

@@ -7,6 +7,9 @@ and write:
 - `linear(x, handle)` (`opaque_linear`): a packed linear, defined in `LIBRARY` here,
   computed in Python;
 - `quantized_linear(x, handle)` (`kernels/group_linear.cpp`): the quantized linears, in C++;
+- `bf16_linear(x, handle)` (`kernels/bf16_linear.cpp`): the unquantized bf16 linears on
+  the row-invariant kernel, in C++ (both linear ops have a `_group` twin for layers that
+  read one input, `linear_groups`);
 - `store_kv` and `paged_attention` (`kernels/paged_attention.cpp`): the `cpp` attention
   backend's K/V store and kernel, in C++, defined when that extension loads
   (`kernels.paged_attention.register_kernel_ops` adds their fakes).
