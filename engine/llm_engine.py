@@ -453,6 +453,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions,
+            speculation=None if self.speculator is None else self.speculator.stats.copy(),
         )
 
     def snapshot(self) -> EngineSnapshot:

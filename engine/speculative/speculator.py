@@ -25,6 +25,14 @@ class SpeculationStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
 
+    def copy(self) -> SpeculationStats:
+        return SpeculationStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
 
 @dataclass(slots=True)
 class _SequenceDrafts:
