@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from tests.server.conftest import client, live_server, tiny_config
@@ -67,3 +68,16 @@ def test_spec_decode_counters_under_vllm_names(speculating_server: str, tiny_ser
         ours = after[f"pagedserve_spec_decode_num_{name}_total"][()]
         assert after[f"vllm:spec_decode_num_{name}_total"][MODEL] == ours
     assert not any("spec_decode" in name for name in scrape(tiny_server))
+
+
+def test_the_dashboard_shows_tokens_per_verification(
+    speculating_server: str, tiny_server: str
+) -> None:
+    completion(speculating_server, temperature=0)
+    state = httpx.get(f"{speculating_server}/dashboard/state").json()
+    speculation = state["totals"]["speculation"]
+    assert speculation["num_drafts"] > 0
+    expected = 1 + speculation["num_accepted_tokens"] / speculation["num_drafts"]
+    assert state["acceptance_length"] == pytest.approx(expected) and expected > 1
+    idle = httpx.get(f"{tiny_server}/dashboard/state").json()
+    assert idle["acceptance_length"] is None and idle["totals"]["speculation"] is None
