@@ -53,6 +53,12 @@ def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
         (["--dtype", "int3"], "invalid choice"),
         (["--port", "-5"], "invalid setting 'port'"),
         (["--kv-cache-memory", "lots"], "invalid setting 'kv_cache_memory'"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            "invalid setting 'speculative_config.num_speculative_tokens'",
+        ),
+        (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
+        (["--speculative-config", "ngram"], "invalid setting 'speculative_config'"),
     ],
 )
 def test_more_bad_settings_in_process(
