@@ -97,6 +97,17 @@ def test_a_busy_batch_gets_no_drafts() -> None:
     assert speculator.propose([sample], 2) == {"s": [3, 4, 5, 6]}  # type: ignore[list-item]
 
 
+def test_sequences_share_the_steps_rows() -> None:
+    speculator = Speculator(CONFIG)
+    samples = [decoding_sample(REPEATING) for _ in range(3)]
+    for i, sample in enumerate(samples):
+        sample.seq.seq_id = f"s{i}"
+    # STEP_ROWS (8) over three sequences: their own rows and one draft token each.
+    drafts = speculator.propose(samples, 3)  # type: ignore[arg-type]
+    assert drafts == {"s0": [3], "s1": [3], "s2": [3]}
+    assert speculator.propose(samples[:1], 1) == {"s0": [3, 4, 5, 6]}  # type: ignore[arg-type]
+
+
 def test_length_follows_acceptance_and_misses_pause() -> None:
     speculator = Speculator(CONFIG)
     sample = decoding_sample(REPEATING)
@@ -106,12 +117,14 @@ def test_length_follows_acceptance_and_misses_pause() -> None:
     assert len(propose()) == 2
     speculator.verified("s", 2, 2)  # whole: doubles, up to num_speculative_tokens
     assert len(propose()) == 4
-    speculator.verified("s", 4, 0)  # a miss: one step out, then a single token
+    speculator.verified("s", 4, 0)  # a miss: a single token next
+    assert len(propose()) == 1
+    speculator.verified("s", 1, 0)  # a second miss in a row: one step out
     assert propose() == []
     assert len(propose()) == 1
-    speculator.verified("s", 1, 0)  # a second miss in a row: two steps out
+    speculator.verified("s", 1, 0)  # a third: two steps out
     assert propose() == [] and propose() == []
     assert len(propose()) == 1
     stats = speculator.stats
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 11, 3)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 12, 3)
     assert stats.accepted_per_position == [2, 1, 0, 0]
