@@ -13,6 +13,13 @@ when the server sends it, else each content chunk counts as one token. Nothing h
 specific to pagedserve, so the same command measures a peer server side by side;
 `--ignore-eos` (a vLLM extension that not every server accepts) makes every request
 generate exactly `--max-tokens` tokens.
+
+`--workload grounded` sends input-grounded prompts instead (`bench.grounded`: edit,
+rename, extract, convert, repeat over a few hundred tokens of source), the work that
+speculative decoding by prompt lookup speeds up. Where the server exports vLLM's
+`vllm:spec_decode_*` counters on /metrics (pagedserve and vLLM with speculation on), each
+level also reports the acceptance length: tokens per verification, 1 + accepted draft
+tokens / drafts.
 """
 
 from __future__ import annotations
@@ -31,7 +38,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
 
+from bench.grounded import grounded_prompts
 from bench.tables import format_table, positive_ints
 
 _COMMON_WORDS = (
@@ -46,6 +55,9 @@ _COMMON_WORDS = (
 )
 WORDS = _COMMON_WORDS.split()
 ERROR_SAMPLES = 3
+# vLLM's counters of speculative decoding, as exposed (the acceptance length's inputs).
+SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
+SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
 
 
 @dataclass(slots=True)
@@ -95,6 +107,8 @@ class LevelReport:
     itl_ms: Stats
     e2e_ms: Stats
     error_samples: list[str]
+    # Tokens per verification (1 + accepted / drafts); None where the server reports none.
+    acceptance_length: float | None = None
 
 
 def make_prompts(count: int, words: int, seed: int) -> list[str]:
@@ -200,6 +214,23 @@ class Benchmark:
         if not result.usage_reported:
             result.output_tokens = len(result.chunk_times)
 
+    async def spec_counters(self) -> tuple[float, float] | None:
+        """(drafts, accepted draft tokens) from the server's /metrics, summed over
+        models; None where it exports no `vllm:spec_decode_*` counters."""
+        try:
+            response = await self.client.get(f"{self.base_url}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        totals = {SPEC_DRAFTS: 0.0, SPEC_ACCEPTED: 0.0}
+        found = False
+        for family in text_string_to_metric_families(response.text):
+            for sample in family.samples:
+                if sample.name in totals:
+                    totals[sample.name] += sample.value
+                    found = True
+        return (totals[SPEC_DRAFTS], totals[SPEC_ACCEPTED]) if found else None
+
     async def level(self, model: str, concurrency: int, prompts: Sequence[str]) -> LevelReport:
         """Run `prompts` with exactly `concurrency` in flight (fewer only at the end)."""
         pending = iter(prompts)  # shared: each worker takes the next prompt when it is free
@@ -225,7 +256,11 @@ async def run(args: argparse.Namespace) -> tuple[str, list[LevelReport]]:
         model = args.model or await bench.first_model()
         counts = [args.num_requests or max(2 * c, 8) for c in args.concurrency]
         # Every request of the run gets its own prompt, so no level hits another's prefixes.
-        prompts = make_prompts(args.warmup + sum(counts), args.prompt_words, args.seed)
+        total = args.warmup + sum(counts)
+        if args.workload == "grounded":
+            prompts = grounded_prompts(total, args.seed)
+        else:
+            prompts = make_prompts(total, args.prompt_words, args.seed)
         for prompt in prompts[: args.warmup]:
             warmup = await bench.request(model, prompt)
             if not warmup.ok:
@@ -235,7 +270,12 @@ async def run(args: argparse.Namespace) -> tuple[str, list[LevelReport]]:
         for concurrency, count in zip(args.concurrency, counts, strict=True):
             level_prompts = prompts[start : start + count]
             start += count
-            reports.append(await bench.level(model, concurrency, level_prompts))
+            before = await bench.spec_counters()
+            report = await bench.level(model, concurrency, level_prompts)
+            after = await bench.spec_counters()
+            if before is not None and after is not None and after[0] > before[0]:
+                report.acceptance_length = 1 + (after[1] - before[1]) / (after[0] - before[0])
+            reports.append(report)
             print(f"concurrency {concurrency}: done", file=sys.stderr, flush=True)
         return model, reports
 
@@ -249,6 +289,7 @@ def format_report(reports: Sequence[LevelReport]) -> str:
     headers = ["conc", "reqs", "errors", "req/s", "out tok/s"] + [
         f"{metric} {stat}" for metric in ("TTFT", "TPOT", "ITL") for stat in ("mean", "p50", "p99")
     ]
+    headers.append("accept len")
     rows = [
         [str(r.concurrency), str(r.requests), str(r.errors), f"{r.request_throughput:.2f}"]
         + [_cell(r.output_throughput)]
@@ -257,6 +298,7 @@ def format_report(reports: Sequence[LevelReport]) -> str:
             for stats in (r.ttft_ms, r.tpot_ms, r.itl_ms)
             for value in (stats.mean, stats.p50, stats.p99)
         ]
+        + ["-" if r.acceptance_length is None else f"{r.acceptance_length:.2f}"]
         for r in reports
     ]
     return format_table(headers, rows)
@@ -269,6 +311,7 @@ def write_json(
         "url": args.url,
         "model": model,
         "max_tokens": args.max_tokens,
+        "workload": args.workload,
         "prompt_words": args.prompt_words,
         "temperature": args.temperature,
         "ignore_eos": args.ignore_eos,
@@ -325,7 +368,16 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--num-requests", type=_positive_int, help="requests per level; default: max(2c, 8)"
     )
     parser.add_argument("--max-tokens", type=_positive_int, default=128)
-    parser.add_argument("--prompt-words", type=_positive_int, default=160)
+    parser.add_argument(
+        "--workload",
+        choices=["random", "grounded"],
+        default="random",
+        help="random: prompts of random words; grounded: edit, rename, extract, convert "
+        "and repeat tasks over a source (bench.grounded); default: random",
+    )
+    parser.add_argument(
+        "--prompt-words", type=_positive_int, default=160, help="random workload only"
+    )
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos (vLLM-style servers only)"

@@ -248,6 +248,10 @@ class BlockManager:
                 if block.block_hash is not None:
                     self._num_cached_free += 1
 
+    def num_held_blocks(self, seq_id: str) -> int:
+        """The length of `seq_id`'s block table (released blocks included)."""
+        return len(self._seqs[seq_id].blocks)
+
     def block_table(self, seq_id: str) -> list[int]:
         """A copy of the block ids of `seq_id`, in token order."""
         return [block.block_id for block in self._seqs[seq_id].blocks]

@@ -27,6 +27,7 @@ from pydantic import (
 
 from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
 from engine.sampling.params import RequestLimits
+from engine.speculative.config import SpeculativeConfig
 from scheduler import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
@@ -131,6 +132,19 @@ class EngineConfig(BaseModel):
         "'{\"temperature\": 0.5}'; keys: " + ", ".join(GENERATION_CONFIG_KEYS),
     )
 
+    # Speculative decoding by prompt lookup, as vLLM's setting of the same name
+    # (engine/speculative/): the tokens that followed the context's last n-gram where it
+    # occurred before are proposed, and verified in the step's one forward; a request's
+    # tokens and logprobs are those it gets without speculation, greedy or seeded. Keys:
+    # method ("ngram"), num_speculative_tokens, prompt_lookup_max, prompt_lookup_min
+    # (vLLM's: one sets the other, neither means 5), disable_by_batch_size (steps aside
+    # while more sequences run; default 4). {} or null: off. See docs/speculative.md.
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description='JSON object, e.g. \'{"method": "ngram", "num_speculative_tokens": '
+        '4, "prompt_lookup_max": 3}\'; {} turns it off',
+    )
+
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
     # the field and the setting.
@@ -176,6 +190,17 @@ class EngineConfig(BaseModel):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not a JSON object: {exc}") from None
         return value
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative_from_json(cls, value: object) -> object:
+        # The command line and the environment give a JSON object as text; {} means off.
+        if isinstance(value, str):
+            try:
+                value = json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return None if value == {} else value
 
     @field_validator("override_generation_config")
     @classmethod

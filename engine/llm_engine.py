@@ -31,6 +31,8 @@ from engine.sampling.defaults import resolve_defaults
 from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
+from engine.speculative.speculator import Speculator
+from engine.speculative.verification import generator_states, rewind, sampling_rows
 from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
@@ -136,6 +138,9 @@ class LLMEngine:
             policy=config.scheduling_policy,
         )
         self.sampler = Sampler(config.seed, self.device)
+        self.speculator = (
+            Speculator(config.speculative_config) if config.speculative_config else None
+        )
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.processor = RequestProcessor(
             self.tokenizer,
@@ -343,7 +348,13 @@ class LLMEngine:
         "error") and leaves the engine serving; their cached block hashes are dropped,
         since their K/V may not have been written.
         """
-        batch = self.scheduler.schedule()
+        drafts = None
+        if self.speculator is not None:
+            running = self.scheduler.running()
+            drafts = self.speculator.propose(
+                (self._samples[seq.seq_id] for seq in running), len(running)
+            )
+        batch = self.scheduler.schedule(drafts)
         self.runner.update_block_tables(batch)
         touched: dict[str, RequestState] = {}
         for seq in batch.rejected:
@@ -354,14 +365,15 @@ class LLMEngine:
             sampling = [self._samples[item.seq.seq_id] for item in batch.sampling]
             try:
                 logits = self.runner.execute(batch.scheduled)
-                sampled = self.sampler.sample(logits, [sample.row for sample in sampling])
+                generators = generator_states(batch.sampling, sampling)
+                sampled = self.sampler.sample(logits, sampling_rows(batch.sampling, sampling))
             except Exception as exc:
                 logger.exception(
                     "engine step failed; failing its %d sequences", len(batch.scheduled)
                 )
                 self._fail_batch(batch, f"{type(exc).__name__}: {exc}", touched)
             else:
-                self._apply_samples(batch, sampling, sampled, touched)
+                self._apply_samples(batch, sampling, sampled, generators, touched)
         outputs = []
         for state in touched.values():
             outputs.append(state.take_output())
@@ -374,19 +386,52 @@ class LLMEngine:
         batch: SchedulerOutput,
         sampling: list[SampleState],
         sampled: SamplerOutput,
+        generators: dict[str, torch.Tensor],
         touched: dict[str, RequestState],
     ) -> None:
-        self.scheduler.update(batch, sampled.token_ids)
-        self._generation_tokens_total += len(sampling)
-        for sample, token, logprobs in zip(
-            sampling, sampled.token_ids, sampled.logprobs, strict=True
-        ):
-            reason = sample.on_token(token, logprobs)
+        """Append each sampling sequence's token, then, for a sequence with draft tokens,
+        the tokens its verification keeps (`engine.speculative.verification`), each
+        checked for stops in turn, so nothing past a stop is kept."""
+        items = batch.sampling
+        firsts, offset = [], 0
+        for item in items:
+            firsts.append(offset)
+            offset += item.num_sampled_rows
+        self.scheduler.update(batch, [sampled.token_ids[first] for first in firsts])
+        for item, sample, first in zip(items, sampling, firsts, strict=True):
+            tokens = sampled.token_ids[first : first + item.num_sampled_rows]
+            draft = item.draft_token_ids
+            reason = sample.on_token(tokens[0], sampled.logprobs[first])
+            kept = 1
+            while reason is None and kept <= len(draft) and tokens[kept - 1] == draft[kept - 1]:
+                self.scheduler.accept_draft(sample.seq, tokens[kept])
+                reason = sample.on_token(tokens[kept], sampled.logprobs[first + kept])
+                kept += 1
+            self._generation_tokens_total += kept
+            if draft:
+                self._verified(sample, len(draft), kept, generators)
             if reason is not None:
                 self.scheduler.finish(sample.seq, reason)
             request_id = sample.seq.request_id
             if request_id not in touched:
                 touched[request_id] = self._requests[request_id]
+
+    def _verified(
+        self,
+        sample: SampleState,
+        num_drafted: int,
+        num_kept: int,
+        generators: dict[str, torch.Tensor],
+    ) -> None:
+        """After a verification that kept `num_kept` tokens (the drafts taken and the one
+        sampled after them): rewind a seeded generator past the kept tokens' draws only."""
+        assert self.speculator is not None
+        seq_id = sample.seq.seq_id
+        self.speculator.verified(seq_id, num_drafted, num_kept - 1)
+        state = generators.get(seq_id)
+        if state is not None and num_kept < num_drafted + 1:
+            assert sample.row.generator is not None
+            rewind(sample.row.generator, state, num_kept, self.vocab_size)
 
     def _fail_batch(
         self, batch: SchedulerOutput, error: str, touched: dict[str, RequestState]
@@ -404,6 +449,8 @@ class LLMEngine:
         del self._requests[state.request_id]
         for sample in state.samples:
             del self._samples[sample.seq.seq_id]
+            if self.speculator is not None:
+                self.speculator.forget(sample.seq.seq_id)
 
     def stats(self) -> EngineStats:
         cache = self.scheduler.cache_stats()
@@ -420,6 +467,7 @@ class LLMEngine:
             prompt_tokens_total=self._prompt_tokens_total,
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions,
+            speculation=None if self.speculator is None else self.speculator.stats.copy(),
         )
 
     def sequences_by_priority(self) -> dict[str, dict[int, int]]:

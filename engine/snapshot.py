@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cache import BlockState
+from engine.speculative.speculator import SpeculationStats
 from scheduler import SchedulingPolicy, Sequence, SequenceStatus
 
 __all__ = ["BlockState", "EngineSnapshot", "EngineStats", "SequenceSnapshot"]
@@ -13,7 +14,8 @@ __all__ = ["BlockState", "EngineSnapshot", "EngineStats", "SequenceSnapshot"]
 
 @dataclass(slots=True)
 class EngineStats:
-    """A snapshot for metrics; token counts are totals since start."""
+    """A snapshot for metrics; token counts are totals since start. `speculation` is
+    None when speculative decoding is off."""
 
     num_running: int
     num_waiting: int
@@ -27,6 +29,7 @@ class EngineStats:
     prompt_tokens_total: int
     generation_tokens_total: int
     num_preemptions: int
+    speculation: SpeculationStats | None = None
 
 
 @dataclass(slots=True, frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 
 from cache import AllocStatus, BlockManager, CacheStats, cdiv
@@ -32,7 +33,8 @@ class Scheduler:
       other for admission, so they share the cache first come, first served.
 
     Call order per step: `schedule()`, run the model on its output, `update()` with the
-    sampled tokens, then `finish()` the sequences that stopped. The block manager is the
+    sampled tokens, `accept_draft()` for each verified draft token (speculative decoding),
+    then `finish()` the sequences that stopped. The block manager is the
     scheduler's alone: what the model runner needs of it (new block ids, freed sequences)
     travels in each `SchedulerOutput`. `add()` and `abort()` belong
     between steps: a sequence freed while its step is in flight would leave cached block
@@ -98,13 +100,19 @@ class Scheduler:
         self._unfinished[seq.seq_id] = seq
         self._requests.setdefault(seq.request_id, []).append(seq)
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, drafts: Mapping[str, SequenceOf[int]] | None = None) -> SchedulerOutput:
         """Decide this step's batch: running sequences first, then waiting ones in the
-        policy's order."""
+        policy's order.
+
+        `drafts` maps running sequences' ids to proposed next tokens (speculative
+        decoding). A decoding sequence gets as many of its drafts as the token budget and
+        the free blocks allow, after its own token: a draft never preempts anything and
+        leaves every running sequence a block to grow by, beyond the watermark.
+        """
         output = SchedulerOutput()
         if self.policy == "priority":
             self._preempt_for_waiting(output)
-        token_budget = self._schedule_running(output)
+        token_budget = self._schedule_running(output, drafts or {})
         # After a preemption the blocks left belong to the running sequences' growth: admitting
         # now would run the victim in the step it was preempted from, or hand them to a
         # newcomer that the next step would preempt again. (A sequence that preempted for
@@ -124,13 +132,35 @@ class Scheduler:
             seq = scheduled.seq
             if seq.num_computed_tokens != scheduled.num_computed_tokens:
                 raise RuntimeError(f"{seq.seq_id!r} changed since schedule(): update() twice?")
-            seq.num_computed_tokens += scheduled.num_new_tokens
+            seq.num_computed_tokens += scheduled.num_sequence_tokens
             if scheduled.samples:
                 seq.output_token_ids.append(next(sampled))
                 if seq.first_token_time is None:
                     seq.first_token_time = now
         if next(sampled, None) is not None:
             raise ValueError("more sampled tokens than sampling sequences")
+
+    def accept_draft(self, seq: Sequence, token_id: int) -> None:
+        """Count the draft token that `seq`'s last token turned out to be as computed (the
+        step that verified it wrote its K/V), then append `token_id`, sampled after it.
+
+        Call it after `update()`, once per verified draft in order, and only while the
+        sequence's last token equals the next draft of its step. Full blocks the verified
+        tokens complete are registered in the prefix cache now: the K/V is written, and
+        only verified tokens are ever hashed.
+        """
+        if (
+            seq.status is not SequenceStatus.RUNNING
+            or seq.num_computed_tokens != seq.num_tokens - 1
+        ):
+            raise ValueError(f"sequence {seq.seq_id!r} has no verified draft to accept")
+        seq.num_computed_tokens += 1
+        seq.output_token_ids.append(token_id)
+        block_size = self.block_manager.block_size
+        if seq.num_computed_tokens % block_size == 0:
+            self.block_manager.cache_full_blocks(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes
+            )
 
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish `seq` in any state and free its blocks at once."""
@@ -197,8 +227,11 @@ class Scheduler:
         self.block_manager.free(seq.seq_id)
         self._freed.append(seq.seq_id)
 
-    def _schedule_running(self, output: SchedulerOutput) -> int:
-        """Give running sequences their tokens in rank order; return the budget left.
+    def _schedule_running(
+        self, output: SchedulerOutput, drafts: Mapping[str, SequenceOf[int]]
+    ) -> int:
+        """Give running sequences their tokens (and drafts) in rank order; return the
+        budget left.
 
         Preemption victims are taken from the far end of that order, i.e. never a sequence
         this loop already scheduled, so the batch stays valid.
@@ -219,9 +252,32 @@ class Scheduler:
             new_blocks = self._grow_or_preempt(seq, num_slots, output)
             if new_blocks is None:
                 break  # seq preempted itself, so every newer one is gone too
-            self._add_to_batch(seq, num_new_tokens, output, new_blocks)
-            token_budget -= num_new_tokens
+            draft: tuple[int, ...] = ()
+            if num_new_tokens == 1 == seq.num_tokens - seq.num_computed_tokens:
+                draft = self._fit_draft(seq, drafts.get(seq.seq_id, ()), token_budget - 1)
+                if draft:
+                    grown = self.block_manager.grow(seq.seq_id, num_slots + len(draft))
+                    if grown is None:  # `_fit_draft` counted the free blocks
+                        raise RuntimeError(f"no blocks for the draft of {seq.seq_id!r}")
+                    new_blocks += grown
+            self._add_to_batch(seq, num_new_tokens, output, new_blocks, draft)
+            token_budget -= num_new_tokens + len(draft)
         return token_budget
+
+    def _fit_draft(
+        self, seq: Sequence, draft: SequenceOf[int], token_budget: int
+    ) -> tuple[int, ...]:
+        """The part of `draft` that the budget and the free blocks allow after `seq`'s own
+        token (whose slot is already held): blocks beyond the watermark and one for each
+        running sequence to grow by, so a draft never causes a preemption."""
+        draft = tuple(draft[:token_budget])
+        if not draft:
+            return ()
+        manager = self.block_manager
+        held = manager.num_held_blocks(seq.seq_id)
+        spare = manager.num_free_blocks - manager.watermark_blocks - len(self._running)
+        room = (held + max(spare, 0)) * manager.block_size - seq.num_tokens
+        return draft[: max(room, 0)]
 
     def _grow_or_preempt(
         self, seq: Sequence, num_slots: int, output: SchedulerOutput
@@ -333,12 +389,15 @@ class Scheduler:
         num_new_tokens: int,
         output: SchedulerOutput,
         new_block_ids: list[int],
+        draft: tuple[int, ...] = (),
     ) -> None:
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         samples = end == seq.num_tokens
         output.scheduled.append(
-            ScheduledSequence(seq, num_new_tokens, start, samples, new_block_ids)
+            ScheduledSequence(
+                seq, num_new_tokens + len(draft), start, samples, new_block_ids, draft
+            )
         )
         # Register blocks this chunk fills now, not after the step, so a sibling (n > 1) or a
         # same-prefix request admitted later in this step already hits them: their K/V is

@@ -10,11 +10,16 @@ from scheduler.sequence import Sequence
 @dataclass(slots=True, frozen=True)
 class ScheduledSequence:
     """One sequence's share of a step: it computes positions
-    `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of `seq.token_ids`.
+    `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of `seq.token_ids`
+    followed by `draft_token_ids`.
 
     Both counts are fixed at schedule time, so they stay right after `update()` advances
     the sequence. `samples` is true when this chunk reaches the sequence's last token: the
-    model then samples one new token from the chunk's last position. `new_block_ids` are
+    model then samples one new token from the chunk's last position. `draft_token_ids`
+    (speculative decoding; only on a sampling chunk of one token) are proposed tokens fed
+    after the sequence's last one, so that the step also samples at each of their
+    positions: `num_new_tokens` counts them, and the chunk's last `num_draft_tokens + 1`
+    positions sample. They are no part of `seq.token_ids` until verified. `new_block_ids` are
     the blocks this step appended to the sequence's block table: its whole table when it
     was admitted in this step, else the blocks it grew by (usually none), so a runner that
     keeps block tables across steps applies them without asking the block manager.
@@ -25,13 +30,29 @@ class ScheduledSequence:
     num_computed_tokens: int
     samples: bool
     new_block_ids: list[int]
+    draft_token_ids: tuple[int, ...] = ()
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return len(self.draft_token_ids)
+
+    @property
+    def num_sequence_tokens(self) -> int:
+        """The tokens of `seq.token_ids` this step computes (`num_new_tokens` less drafts)."""
+        return self.num_new_tokens - len(self.draft_token_ids)
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """The positions this chunk samples at: 0, or 1 plus one per draft token."""
+        return len(self.draft_token_ids) + 1 if self.samples else 0
 
     @property
     def token_ids(self) -> list[int]:
-        """The tokens this step feeds the model for this sequence."""
-        return self.seq.get_token_ids(
-            self.num_computed_tokens, self.num_computed_tokens + self.num_new_tokens
+        """The tokens this step feeds the model for this sequence, drafts last."""
+        tokens = self.seq.get_token_ids(
+            self.num_computed_tokens, self.num_computed_tokens + self.num_sequence_tokens
         )
+        return tokens + list(self.draft_token_ids) if self.draft_token_ids else tokens
 
 
 @dataclass(slots=True)
@@ -56,6 +77,11 @@ class SchedulerOutput:
     def sampling(self) -> list[ScheduledSequence]:
         """The scheduled sequences that sample a token this step, in batch order."""
         return [item for item in self.scheduled if item.samples]
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """The positions the step samples at: one per sampling sequence plus its drafts."""
+        return sum(s.num_sampled_rows for s in self.scheduled)
 
     @property
     def num_batched_tokens(self) -> int:

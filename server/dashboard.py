@@ -65,6 +65,10 @@ class DashboardState(BaseModel):
         description="prompt tokens served from the prefix cache over those looked up, since "
         "start; null before any lookup"
     )
+    acceptance_length: float | None = Field(
+        description="speculative decoding: tokens per verification (1 + accepted draft "
+        "tokens / drafts), since start; null while it is off or before a draft"
+    )
     history: History
 
 
@@ -104,9 +108,17 @@ async def dashboard_state(request: Request) -> DashboardState:
         sequences=list(snapshot.sequences),
         totals=stats,
         prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else None,
+        acceptance_length=_acceptance_length(stats),
         history=History(
             interval=state.history.interval,
             window=state.history.window,
             samples=state.history.samples(),
         ),
     )
+
+
+def _acceptance_length(stats: EngineStats) -> float | None:
+    speculation = stats.speculation
+    if speculation is None or not speculation.num_drafts:
+        return None
+    return 1 + speculation.num_accepted_tokens / speculation.num_drafts

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from engine.snapshot import EngineStats
+    from engine.speculative.speculator import SpeculationStats
 
 PREFIX = "pagedserve_"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
@@ -41,6 +42,10 @@ VLLM_TWINS = {
     "prompt_tokens": "vllm:prompt_tokens",
     "generation_tokens": "vllm:generation_tokens",
     "num_preemptions": "vllm:num_preemptions",
+    "spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "spec_decode_num_accepted_tokens_per_pos": "vllm:spec_decode_num_accepted_tokens_per_pos",
     "time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
     "time_per_output_token_seconds": "vllm:request_time_per_output_token_seconds",
     "e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
@@ -92,6 +97,30 @@ class EngineStatsCollector(Collector):
         }
         for name, (documentation, value) in counters.items():
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+        if stats.speculation is not None:
+            yield from _speculation_counters(stats.speculation)
+
+
+def _speculation_counters(stats: SpeculationStats) -> Iterator[Metric]:
+    """Speculative decoding's counters, vLLM's `spec_decode_*` (only while it is on)."""
+    counters = {
+        "spec_decode_num_drafts": ("Verifications of a draft.", stats.num_drafts),
+        "spec_decode_num_draft_tokens": ("Draft tokens proposed.", stats.num_draft_tokens),
+        "spec_decode_num_accepted_tokens": (
+            "Draft tokens accepted: each one a step saved.",
+            stats.num_accepted_tokens,
+        ),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+    per_position = CounterMetricFamily(
+        PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+        "Draft tokens accepted, by their position in the draft (0: the first).",
+        labels=["position"],
+    )
+    for position, value in enumerate(stats.accepted_per_position):
+        per_position.add_metric([str(position)], value)
+    yield per_position
 
 
 class PriorityCollector(Collector):

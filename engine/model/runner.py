@@ -21,7 +21,8 @@ class ModelRunner:
     """Packs the scheduled chunks into one batch, runs the model, returns sampling logits.
 
     Every token is a query row of paged attention (see `PagedAttentionMetadata`). Logits
-    are computed only at the last position of each sampling chunk, in batch order.
+    are computed only at the positions each sampling chunk samples at (its last, and with
+    draft tokens one more per draft), in batch order.
     Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
     call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
     On a GPU a copy of them stays on the device and follows by changed entries only, and
@@ -77,7 +78,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """Return float32 logits `[number of sampling chunks, vocab]`."""
+        """Return float32 logits `[scheduled sampled rows, vocab]` (`num_sampled_rows`)."""
         step = build_step_inputs(scheduled, self.block_tables, self.block_size)
         num_logits = len(step.logits_index)
         if self.compiled is not None:

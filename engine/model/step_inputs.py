@@ -20,8 +20,9 @@ class StepInputs:
     Invariants: sequence b owns packed tokens `[query_start[b], query_start[b + 1])`, the
     last of its `context_lens[b]` tokens; `positions[i]` and `slots[i]` are token i's
     position and KV slot; `rows[b]` is b's row in the block tables, whose first `width`
-    columns cover every context; `logits_index` lists the packed index of the last token of
-    each chunk that samples, in batch order.
+    columns cover every context; `logits_index` lists the packed indices each chunk samples
+    at, in batch order: a sampling chunk's last token, or with draft tokens its last
+    `num_draft_tokens + 1` tokens, in order.
     """
 
     input_ids: np.ndarray
@@ -65,13 +66,13 @@ def build_step_inputs(
 ) -> StepInputs:
     """Pack the scheduled chunks; `tables` must already hold this step's blocks."""
     input_ids: list[int] = []
-    rows, counts, starts, samples = [], [], [], []
+    rows, counts, starts, sampled = [], [], [], []
     for item in scheduled:
         input_ids += item.token_ids
         rows.append(tables.row(item.seq.seq_id))
         counts.append(item.num_new_tokens)
         starts.append(item.num_computed_tokens)
-        samples.append(item.samples)
+        sampled.append(item.num_sampled_rows)
     row = np.asarray(rows, dtype=np.int64)
     count = np.asarray(counts, dtype=np.int64)
     start = np.asarray(starts, dtype=np.int64)
@@ -86,6 +87,14 @@ def build_step_inputs(
     slots = tables.table[token_rows, positions // block_size] * block_size
     slots += positions % block_size
     context_lens = start + count
+    last = first + count - 1
+    num_sampled = np.asarray(sampled, dtype=np.int64)
+    if len(input_ids) == len(scheduled) or int(num_sampled.max(initial=0)) <= 1:
+        logits_index = last[num_sampled.astype(bool)]
+    else:  # draft tokens: each sampling chunk's last rows, in order
+        ends = np.repeat(last + 1, num_sampled)
+        within = np.arange(len(ends)) - np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
+        logits_index = ends - np.repeat(num_sampled, num_sampled) + within
     return StepInputs(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,
@@ -93,7 +102,7 @@ def build_step_inputs(
         rows=row,
         query_start=query_start,
         context_lens=context_lens,
-        logits_index=(first + count - 1)[np.asarray(samples, dtype=bool)],
+        logits_index=logits_index,
         width=cdiv(int(context_lens.max()), block_size),
     )
 

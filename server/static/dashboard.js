@@ -111,6 +111,8 @@
     $("ttft").textContent = ttft ? seconds(ttft.time_to_first_token) : "–";
     $("kv-usage").textContent = percent(totals.kv_usage);
     $("hit-rate").textContent = percent(state.prefix_cache_hit_rate);
+    const accepted = state.acceptance_length;
+    $("acceptance").textContent = accepted === null ? "–" : accepted.toFixed(2);
   }
 
   // A canvas of `height` CSS pixels (its CSS width is the page's), sharp on any display.

@@ -11,7 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.grounded import grounded_prompts
 from bench.serve import Benchmark, LevelReport, RequestResult, parse_args, summarize
+from tests.server.conftest import live_server, tiny_config
 
 
 def test_live_run_counts_every_request(tiny_server: str, tmp_path: Path) -> None:
@@ -37,6 +39,51 @@ def test_live_run_counts_every_request(tiny_server: str, tmp_path: Path) -> None
     table = done.stdout.splitlines()
     assert table[1].split()[:5] == ["conc", "reqs", "errors", "req/s", "out"]
     assert [row.split()[:3] for row in table[3:]] == [["1", "10", "0"], ["4", "10", "0"]]
+
+
+def test_grounded_prompts_are_distinct_and_seeded() -> None:
+    prompts = grounded_prompts(40, seed=1)
+    assert len(set(prompts)) == 40 and prompts == grounded_prompts(40, seed=1)
+    assert prompts != grounded_prompts(40, seed=2)
+
+
+def test_the_grounded_workload_reports_the_acceptance_length(
+    tiny_model_paths: dict[str, Path], tmp_path: Path
+) -> None:
+    speculative = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'
+    config = tiny_config(
+        tiny_model_paths["llama"],
+        served_model_name="tiny",
+        max_model_len=2048,
+        speculative_config=speculative,
+    )
+    path = tmp_path / "serve.json"
+    with live_server(config) as url:
+        command = [
+            sys.executable, "-m", "bench.serve", "--url", url, "--concurrency", "1",
+            "--num-requests", "3", "--max-tokens", "24", "--workload", "grounded",
+            "--json", str(path),
+        ]  # fmt: skip
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    report = json.loads(path.read_text())
+    assert report["workload"] == "grounded"
+    (level,) = report["levels"]
+    assert level["acceptance_length"] > 1
+    assert done.stdout.splitlines()[1].split()[-2:] == ["accept", "len"]
+
+
+def test_no_acceptance_length_from_a_server_without_spec_decode_counters() -> None:
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, text="# TYPE vllm:num_requests_running gauge\n")
+
+    async def counters() -> tuple[float, float] | None:
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            return await Benchmark(
+                client, "http://peer", parse_args(["--url", "x"])
+            ).spec_counters()
+
+    assert asyncio.run(counters()) is None
 
 
 def _sse(*events: object) -> bytes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -91,3 +92,46 @@ def test_request_limits_come_from_the_settings(tmp_path: Path) -> None:
     limits = load_config(EngineConfig, path, environ=env).request_limits()
     assert (limits.max_stop_sequences, limits.max_stop_length) == (200, 5000)
     assert (limits.max_stop_token_ids, limits.max_logit_bias_entries) == (4096, 8)
+
+
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+
+
+def test_speculative_config_from_yaml_environment_or_overrides(tmp_path: Path) -> None:
+    path = tmp_path / "config.yaml"
+    path.write_text(
+        "speculative_config:\n  method: ngram\n  num_speculative_tokens: 4\n"
+        "  prompt_lookup_max: 3\n"
+    )
+    from_yaml = load_config(EngineConfig, path, environ={}).speculative_config
+    variable = {"PAGEDSERVE_SPECULATIVE_CONFIG": json.dumps(SPECULATIVE)}
+    from_environment = load_config(EngineConfig, environ=variable).speculative_config
+    override = {"speculative_config": SPECULATIVE}
+    from_override = load_config(EngineConfig, overrides=override, environ={}).speculative_config
+    assert from_yaml == from_environment == from_override
+    assert from_yaml is not None
+    # vLLM's rule: one n-gram bound sets the other.
+    assert (from_yaml.prompt_lookup_min, from_yaml.prompt_lookup_max) == (3, 3)
+    assert from_yaml.disable_by_batch_size == 4
+
+
+@pytest.mark.parametrize("off", ["{}", "", "null"])
+def test_an_empty_speculative_config_turns_it_off(off: str) -> None:
+    variable = {"PAGEDSERVE_SPECULATIVE_CONFIG": off}
+    assert load_config(EngineConfig, environ=variable).speculative_config is None
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"num_speculative_tokens": 2}, "'speculative_config.method': Field required"),
+        ({"method": "ngram"}, "'speculative_config.num_speculative_tokens': Field required"),
+        (SPECULATIVE | {"prompt_lookup_min": 4}, "prompt_lookup_min (4) must be at most"),
+        (SPECULATIVE | {"prompt_lookup_max": 0}, "'speculative_config.prompt_lookup_max'"),
+        (SPECULATIVE | {"draft_model": "x"}, "unknown setting 'speculative_config.draft_model'"),
+    ],
+)
+def test_a_bad_speculative_config_names_the_key(value: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(EngineConfig, overrides={"speculative_config": value}, environ={})
+    assert message in str(error.value) and "\n" not in str(error.value)

@@ -55,6 +55,12 @@ def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
         (["--kv-cache-memory", "lots"], "invalid setting 'kv_cache_memory'"),
         (["--response-store", "/dev/null/in/a/file"], "cannot open the response store"),
         (["--api-key-file", "/nonexistent/keys"], "invalid setting 'api_key_file'"),
+        (
+            ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'],
+            "invalid setting 'speculative_config.num_speculative_tokens'",
+        ),
+        (["--speculative-config", '{"method": "eagle"}'], "speculative_config.method"),
+        (["--speculative-config", "ngram"], "invalid setting 'speculative_config'"),
     ],
 )
 def test_more_bad_settings_in_process(

@@ -1,0 +1,141 @@
+"""Who gets drafts this step, and how long: prompt lookup where it has earned its place."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from engine.request.sample import SampleState
+from engine.speculative.config import SpeculativeConfig
+from engine.speculative.ngram import NgramIndex
+
+# After a verification that accepted nothing, a sequence sits out one step fewer than it
+# has missed in a row, up to this cap: a sequence whose context stopped repeating stops
+# paying for the lookups and the wider rows (a single miss costs nothing: the next draft
+# is one token, and a batch-1 step computes a padding row anyway).
+MAX_PAUSE = 16
+# The rows of a step that drafts may fill, decoding sequences' own rows included: up to
+# about 8, a step of the compiled int4 forward cost about what a step of one row costs on
+# this project's 2-core CPU (a probe of one to four 400-token sequences with 0 to 8 drafts
+# each: +10% at 1 x 7 rows, +25% at 2 x 4, 2x at 4 x 3, 2.3x at 1 x 9).
+STEP_ROWS = 8
+
+
+@dataclass(slots=True)
+class SpeculationStats:
+    """Totals since start, vLLM's `spec_decode` counters: verifications with drafts, the
+    draft tokens proposed, those accepted, and accepted ones by their position in a draft."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def copy(self) -> SpeculationStats:
+        return SpeculationStats(
+            self.num_drafts,
+            self.num_draft_tokens,
+            self.num_accepted_tokens,
+            list(self.accepted_per_position),
+        )
+
+
+@dataclass(slots=True)
+class _SequenceDrafts:
+    """One sequence's lookup index and how much speculation it has earned.
+
+    Invariants: `1 <= length <= num_speculative_tokens`; `pause >= 0` steps are left to
+    sit out.
+    """
+
+    index: NgramIndex
+    length: int
+    misses: int = 0
+    pause: int = 0
+
+
+class Speculator:
+    """Proposes drafts for decoding sequences and learns from their verification.
+
+    A sequence gets a draft only where its context's last n-gram occurred before (the
+    lookup found something), only while at most `disable_by_batch_size` sequences run,
+    within its share of the step's `STEP_ROWS`, and at most as long as it has earned: the
+    length doubles after a draft accepted whole, drops to what was accepted plus one after
+    a partial one, and a draft rejected at its first token twice in a row pauses the
+    sequence for a while (`MAX_PAUSE`). A draft stops before the first token that would
+    end the sample (EOS, a stop token id), within `max_tokens`, and, for a sample with a
+    grammar, before the first token the grammar forbids.
+    Not thread-safe: the engine thread owns it.
+    """
+
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.config = config
+        self.stats = SpeculationStats(accepted_per_position=[0] * config.num_speculative_tokens)
+        self._sequences: dict[str, _SequenceDrafts] = {}
+
+    def propose(self, running: Iterable[SampleState], num_running: int) -> dict[str, list[int]]:
+        """Drafts by sequence id for the decoding samples among `running` (every running
+        sample, `num_running` of them)."""
+        if num_running > self.config.disable_by_batch_size:
+            return {}
+        # A prefill chunk, or a recompute after preemption, gets no draft.
+        decoding = [s for s in running if s.seq.num_tokens - s.seq.num_computed_tokens == 1]
+        share = STEP_ROWS // max(len(decoding), 1) - 1
+        drafts: dict[str, list[int]] = {}
+        for sample in decoding if share > 0 else ():
+            seq = sample.seq
+            state = self._sequences.get(seq.seq_id)
+            if state is None:
+                config = self.config
+                state = _SequenceDrafts(
+                    NgramIndex(config.prompt_lookup_min, config.prompt_lookup_max),
+                    config.num_speculative_tokens,
+                )
+                self._sequences[seq.seq_id] = state
+            if state.pause:
+                state.pause -= 1
+                continue
+            room = min(seq.max_tokens - seq.num_output_tokens - 1, share, state.length)
+            if room <= 0:
+                continue
+            draft = _usable(sample, state.index.propose(seq, room))
+            if draft:
+                drafts[seq.seq_id] = draft
+        return drafts
+
+    def verified(self, seq_id: str, num_drafted: int, num_accepted: int) -> None:
+        """Learn from a verification: `num_accepted` of `num_drafted` tokens were taken."""
+        stats = self.stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += num_drafted
+        stats.num_accepted_tokens += num_accepted
+        for position in range(num_accepted):
+            stats.accepted_per_position[position] += 1
+        state = self._sequences.get(seq_id)
+        if state is None:
+            return
+        if num_accepted == 0:
+            state.misses += 1
+            state.length = 1
+            state.pause = min(state.misses - 1, MAX_PAUSE)
+            return
+        state.misses = 0
+        if num_accepted == num_drafted:
+            state.length = min(2 * state.length, self.config.num_speculative_tokens)
+        else:
+            state.length = num_accepted + 1
+
+    def forget(self, seq_id: str) -> None:
+        self._sequences.pop(seq_id, None)
+
+
+def _usable(sample: SampleState, draft: list[int]) -> list[int]:
+    """`draft` cut before the first token that ends the sample or that its grammar forbids."""
+    for position, token in enumerate(draft):
+        if token in sample.row.stop_token_ids:
+            draft = draft[:position]
+            break
+    matcher = sample.row.matcher
+    if matcher is not None and draft:
+        draft = draft[: matcher.validate_tokens(draft)]
+    return draft
