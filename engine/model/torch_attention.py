@@ -6,9 +6,9 @@ Both functions take the step's packed query rows `q [T, H, D]`, one layer's cach
 `[T, H, D]`: for the row at position p, softmax(scale * q . K^T) V over positions 0..p of
 its sequence, with the layer's `AttentionFeatures` (window, softcap, sinks) applied.
 
-- `blockwise_attention` is the backend's attention on the CPU. It computes every row, decoded or
-  prefilled, with the arithmetic of the C++ kernel's contract (not its bits): one KV
-  block at a time from block 0, folded into an online softmax, in fp32. Every op is
+- `blockwise_attention` is the backend's attention on the CPU. It computes every row,
+  decoded or prefilled, with the arithmetic of the C++ kernel's contract (not its bits):
+  one KV block at a time from block 0, folded into an online softmax, in fp32. Every op is
   elementwise or reduces over a fixed-size axis (head_dim, block_size), so a row's bits
   do not depend on the other rows of the step. Elementwise torch ops compute the last
   elements of a tensor that does not fill whole vectors with scalar code (whose exp()
@@ -41,16 +41,17 @@ ROW_MULTIPLE = 8
 
 
 class TorchAttention:
-    """The `torch` backend: K/V stored by `index_copy_`, attention by `blockwise_attention`
-    on the CPU (row-invariant) and `gathered_attention` elsewhere. Both read the metadata's
-    host arrays, so it runs neither compiled nor captured; every slot it stores is valid."""
+    """The `torch` backend: K/V stored by `index_copy_`, attention by `function`,
+    `blockwise_attention` on the CPU (row-invariant) and `gathered_attention` elsewhere.
+    Both read the metadata's host arrays, so it runs neither compiled nor captured; every
+    slot it stores is valid."""
 
     name = "torch"
     compiles = False
     captures = False
 
     def __init__(self, device: torch.device) -> None:
-        self._attention = blockwise_attention if device.type == "cpu" else gathered_attention
+        self.function = blockwise_attention if device.type == "cpu" else gathered_attention
 
     @staticmethod
     def unavailable_reason(
@@ -82,7 +83,7 @@ class TorchAttention:
         features: AttentionFeatures,
     ) -> torch.Tensor:
         k_cache, v_cache = kv_cache[layer]
-        return self._attention(q, k_cache, v_cache, meta, scale, features)
+        return self.function(q, k_cache, v_cache, meta, scale, features)
 
 
 def blockwise_attention(

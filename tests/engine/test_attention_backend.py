@@ -38,7 +38,7 @@ def test_a_named_backend_that_cannot_run_is_a_config_error_naming_the_setting() 
 def test_auto_passes_over_the_kernel_for_a_head_size_it_does_not_take() -> None:
     choice = choose_backend("auto", CPU, torch.float32, 80, 16)
     assert isinstance(choice.backend, TorchAttention)
-    assert choice.backend._attention is blockwise_attention  # row-invariant on the CPU
+    assert choice.backend.function is blockwise_attention  # row-invariant on the CPU
     assert list(choice.passed_over) == ["cpp"]
     assert "head sizes 32, 64, 96, 128, 256, not 80" in choice.passed_over["cpp"]
 
@@ -46,7 +46,7 @@ def test_auto_passes_over_the_kernel_for_a_head_size_it_does_not_take() -> None:
 def test_auto_off_the_cpu_is_torch_gathered() -> None:
     choice = choose_backend("auto", CUDA, torch.float16, 64, 16)
     assert isinstance(choice.backend, TorchAttention) and not choice.passed_over
-    assert choice.backend._attention is gathered_attention
+    assert choice.backend.function is gathered_attention
 
 
 def test_torch_runs_everywhere() -> None:
