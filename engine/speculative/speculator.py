@@ -59,12 +59,12 @@ class Speculator:
 
     A sequence gets a draft only where its context's last n-gram occurred before (the
     lookup found something), only while at most `disable_by_batch_size` sequences run,
-    within its share of the step's `STEP_ROWS`, and at most as long as it has earned: the
-    length doubles after a draft accepted whole, drops to what was accepted plus one after
-    a partial one, and a draft rejected at its first token twice in a row pauses the
-    sequence for a while (`MAX_PAUSE`). A draft stops before the first token that would
-    end the sample (EOS, a stop token id), within `max_tokens`, and, for a sample with a
-    grammar, before the first token the grammar forbids.
+    within its share of the step's `STEP_ROWS` (one token at least), and at most as long
+    as it has earned: the length doubles after a draft accepted whole, drops to what was
+    accepted plus one after a partial one, and a draft rejected at its first token twice
+    in a row pauses the sequence for a while (`MAX_PAUSE`). A draft stops before the first
+    token that would end the sample (EOS, a stop token id), within `max_tokens`, and, for
+    a sample with a grammar, before the first token the grammar forbids.
     Not thread-safe: the engine thread owns it.
     """
 
@@ -80,9 +80,11 @@ class Speculator:
             return {}
         # A prefill chunk, or a recompute after preemption, gets no draft.
         decoding = [s for s in running if s.seq.num_tokens - s.seq.num_computed_tokens == 1]
-        share = STEP_ROWS // max(len(decoding), 1) - 1
+        # At least one draft token each while speculation runs at all (the batch is within
+        # `disable_by_batch_size`).
+        share = max(STEP_ROWS // max(len(decoding), 1) - 1, 1)
         drafts: dict[str, list[int]] = {}
-        for sample in decoding if share > 0 else ():
+        for sample in decoding:
             seq = sample.seq
             state = self._sequences.get(seq.seq_id)
             if state is None:
