@@ -112,6 +112,18 @@ def test_the_layer_computes_the_kernel_in_its_dtype_with_bias(dtype: torch.dtype
     assert torch.equal(out, layer.kernel(x))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_a_call_of_no_rows_gives_no_rows(dtype: torch.dtype):
+    """A step whose chunks are all parts of prefills samples no row: its LM head runs on 0
+    rows (the kernel once divided by zero there and killed the process with SIGFPE)."""
+    layers = [QuantizedLinear.quantizing(random_linear(128, n, dtype), 4, None) for n in (48, 16)]
+    x = torch.empty(1, 0, 128, dtype=dtype)
+    with torch.inference_mode():
+        assert layers[0](x).shape == (1, 0, 48)
+        grouped = torch.ops.pagedserve.quantized_linear_group(x, [la.handle for la in layers])
+    assert grouped.shape == (1, 0, 64)
+
+
 @BITS
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_kernel_rows_do_not_depend_on_how_many_rows_run_with_them(dtype: torch.dtype, bits: int):

@@ -553,6 +553,9 @@ struct Part {
 // parts' tiles side by side. Each output element is computed alone, in the fixed order of
 // the header, whatever the parts, the task split or the instruction set.
 void run_parts(const std::vector<Part>& parts, const QuantizedRows& q, int64_t m) {
+  // No rows (a step in which every chunk is part of a prefill samples none: the LM head
+  // gets 0 rows): nothing to compute, and the grain below would divide by zero runs.
+  if (m == 0) return;
   std::vector<int64_t> first_tile{0};  // of each part, in the loop's index; then the total
   for (const Part& part : parts) first_tile.push_back(first_tile.back() + part.tiles());
   const auto part_of = [&](int64_t tile) {
