@@ -234,9 +234,9 @@ def test_a_dead_engine_loop_fails_every_request_and_health_says_so(
         schedule = scheduler.schedule
         fault = _Fault("simulated scheduler failure")
 
-        def broken() -> Any:
+        def broken(*args: Any) -> Any:
             # Outside the step's guard: the engine loop itself dies.
-            batch = schedule()
+            batch = schedule(*args)
             fault.check(batch.scheduled)
             return batch
 
@@ -267,10 +267,10 @@ _SERVE_WITH_A_FAULT = textwrap.dedent(
 
     schedule = Scheduler.schedule
 
-    def broken(self):
+    def broken(self, *args):
         if os.path.exists(sys.argv[1]):
             raise RuntimeError("simulated scheduler failure")
-        return schedule(self)
+        return schedule(self, *args)
 
     Scheduler.schedule = broken
     from pagedserve.cli import main
@@ -348,7 +348,7 @@ def test_a_request_racing_the_engines_death_does_not_hang(
     )
     llm = AsyncLLM.from_config(config)
 
-    def broken() -> Any:
+    def broken(*args: Any) -> Any:
         raise RuntimeError("simulated scheduler failure")
 
     monkeypatch.setattr(llm.engine.scheduler, "schedule", broken)
