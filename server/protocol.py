@@ -12,7 +12,7 @@ Ranges are checked once, by `SamplingParams`, not here.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import (
@@ -109,6 +109,18 @@ def field_error(field: str | tuple[str | int, ...], reason: str) -> PydanticCust
     itself) for a model validator to raise; `reason` follows the field's name."""
     path = (field,) if isinstance(field, str) else field
     return PydanticCustomError(FIELD_ERROR, "{reason}", {"field": path, "reason": reason})
+
+
+def check_type(
+    data: Any, allowed: Collection[str], message: str, default: str | None = None
+) -> Any:
+    """A model validator's gate on a part's `type`: `data` unchanged when its type is one
+    of `allowed` (or absent, or no string: the model's own validation reports that), else
+    a 400 naming `type` with `message`, in which `{kind}` is the refused type's repr."""
+    kind = data.get("type") if isinstance(data, dict) else None
+    if isinstance(kind, str) and kind not in allowed:
+        raise field_error("type", message.format(kind=repr(kind)))
+    return data
 
 
 def undeclared_field_reason(name: str, refused: Mapping[str, str] = UNSUPPORTED_FIELDS) -> str:
@@ -376,10 +388,7 @@ class TextPart(_Request):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        kind = data.get("type", "text") if isinstance(data, dict) else "text"
-        if isinstance(kind, str) and kind != "text":
-            raise field_error("type", f"{kind!r} content parts are not supported: text only")
-        return data
+        return check_type(data, ("text",), "{kind} content parts are not supported: text only")
 
 
 class FunctionCall(_Request):

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
-from server.protocol import FunctionDefinition, _Body, _Request, _Response, field_error
+from server.protocol import FunctionDefinition, _Body, _Request, _Response, check_type, field_error
 
 # Responses fields that would change the output and that this server does not implement:
 # a 400 "not supported" with the reason, unless sent as null.
@@ -50,10 +50,8 @@ class ContentPart(_Request):
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind not in ("input_text", "output_text"):
-            raise field_error("type", f"{kind!r} content parts are not supported: text only")
-        return data
+        message = "{kind} content parts are not supported: text only"
+        return check_type(data, ("input_text", "output_text"), message)
 
 
 def _joined(content: str | list[ContentPart]) -> str:
@@ -152,10 +150,8 @@ class FunctionTool(FunctionDefinition):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            raise field_error("type", f"{kind!r} tools are not supported: function tools only")
-        return data
+        message = "{kind} tools are not supported: function tools only"
+        return check_type(data, ("function",), message)
 
 
 class FunctionChoice(_Request):
@@ -167,11 +163,8 @@ class FunctionChoice(_Request):
     @model_validator(mode="before")
     @classmethod
     def _functions_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind != "function":
-            reason = "a tool_choice names a function tool (or is none, auto or required)"
-            raise field_error("type", f"{kind!r} is not supported: {reason}")
-        return data
+        reason = "a tool_choice names a function tool (or is none, auto or required)"
+        return check_type(data, ("function",), "{kind} is not supported: " + reason)
 
 
 class TextFormat(_Request):

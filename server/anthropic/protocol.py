@@ -15,7 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
-from server.protocol import RequestBody, RequestModel, field_error
+from server.protocol import RequestBody, RequestModel, check_type, field_error
 
 IGNORED_FIELDS: dict[str, str] = {
     "metadata": "an end-user id for the provider's abuse monitoring",
@@ -151,10 +151,8 @@ class Tool(_Model):
     @model_validator(mode="before")
     @classmethod
     def _client_tools_only(cls, data: Any) -> Any:
-        kind = data.get("type") if isinstance(data, dict) else None
-        if isinstance(kind, str) and kind != "custom":
-            raise field_error("type", f"{kind!r}: server tools are not available, only custom ones")
-        return data
+        message = "{kind}: server tools are not available, only custom ones"
+        return check_type(data, ("custom",), message)
 
 
 class ToolChoice(_Model):
