@@ -9,6 +9,9 @@ PORT ?= 8000
 CONFIG ?= configs/default.yaml
 # `make bench`: extra bench.run_all flags; LLAMA_SERVER=BINARY adds llama.cpp's server
 BENCH_ARGS ?=
+# pytest-xdist workers of `make test` (most of the suite runs one core at a time: servers
+# starting, compiles, Python); 0 runs the suite in this process
+TEST_WORKERS ?= 2
 # Where `make test` and `make lint` build the documentation site (build/ is git-ignored)
 BUILD_SITE ?= build/site
 # the docs build: mkdocs.yml, docs/; --strict fails on any warning (a broken link or anchor)
@@ -42,7 +45,7 @@ test: setup-test
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(DOCS)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 
 lint: setup-test
 	$(BIN)/ruff check .

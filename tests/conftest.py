@@ -40,6 +40,19 @@ def default_model():
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), each test file
+    runs whole on one worker, so that a module's fixtures (a server, an engine) start once,
+    and the scale-out tests share one worker, so that one Ray cluster serves them."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    root = Path(__file__).parent
+    for item in items:
+        path = item.path.relative_to(root)
+        group = path.parts[0] if path.parts[0] == "scale_out" else str(path)
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     # Engines run eager unless a test sets enforce_eager itself (the compiled forward's
     # tests) or clears this (the shipped defaults' tests): compiling the forward for every
