@@ -145,7 +145,7 @@ def test_torch_attention_cannot_be_compiled(tiny_model_paths) -> None:
 RESTART = """
 import json, sys
 from engine import LLM, SamplingParams
-llm = LLM(sys.argv[1], enforce_eager=False, kv_cache_memory="4MiB")
+llm = LLM(sys.argv[1], dtype="float32", enforce_eager=False, kv_cache_memory="4MiB")
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
 print(json.dumps({"loaded": llm.engine.runner.compiled.loaded,
                   "tokens": out[0].outputs[0].token_ids}))
@@ -153,8 +153,10 @@ print(json.dumps({"loaded": llm.engine.runner.compiled.loaded,
 
 
 def test_a_restart_loads_the_saved_graph(tiny_model_paths, tmp_path) -> None:
-    env = os.environ | {"PAGEDSERVE_CACHE": str(tmp_path)}
-    env.pop(CACHE_DIR_VARIABLE, None)
+    # Inductor's cache is the suite's, which holds the generated code of `compiled_llm`'s
+    # graph (the same model and shapes): the first process traces and saves the graph
+    # without building its C++ again.
+    env = os.environ | {"PAGEDSERVE_CACHE": str(tmp_path), CACHE_DIR_VARIABLE: inductor_cache_dir()}
     # The C++ kernels this session built, so that the first process only compiles.
     if (cache_root() / "kernels").is_dir():
         shutil.copytree(cache_root() / "kernels", tmp_path / "kernels", symlinks=True)
@@ -175,7 +177,7 @@ def test_a_restart_loads_the_saved_graph(tiny_model_paths, tmp_path) -> None:
     assert not cold["loaded"] and warm["loaded"]
     assert warm["tokens"] == cold["tokens"]
     [saved] = [path for path in (tmp_path / "compiled").iterdir() if path.is_dir()]
-    assert (saved / "forward.bin").is_file() and any((tmp_path / "inductor").iterdir())
+    assert (saved / "forward.bin").is_file()
 
 
 def test_compiled_code_goes_to_pagedserves_cache_unless_a_user_chose(monkeypatch) -> None:

@@ -17,6 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling.params import StructuredOutputs
+from tests.server.conftest import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 
@@ -92,6 +93,7 @@ OTHERS = [
 ]
 
 Result = list[list[tuple[list[int], list[float]]]]
+SERVED = {"max_model_len": 4096, **DEFAULT_MODEL_SETTINGS}
 
 
 def run(llm: LLM, cases: list[tuple[str, SamplingParams]]) -> Result:
@@ -108,9 +110,10 @@ def run(llm: LLM, cases: list[tuple[str, SamplingParams]]) -> Result:
 
 
 def make_llm(speculative: bool, **settings: Any) -> LLM:
-    # The compiled forward, the one that serves: speculation's rows go through it.
-    values = {"max_model_len": 512, "kv_cache_memory": "64MiB", "enforce_eager": False}
-    values |= settings
+    # The compiled forward, the one that serves: speculation's rows go through it. The
+    # shipped config's shapes with the suite's default-model KV size, so that every engine
+    # here and the default-model servers share one compiled graph.
+    values = {**SERVED, "enforce_eager": False} | settings
     if speculative:
         values["speculative_config"] = SPECULATIVE
     return LLM("default", **values)
@@ -153,14 +156,13 @@ def test_with_eight_others_running(engines: tuple[LLM, Result]) -> None:
 
 def test_after_preemptions() -> None:
     """Room for 14 blocks of 16 tokens: the sequences preempt each other as they grow,
-    drafts included (a draft only takes blocks no sequence needs)."""
+    drafts included (a draft only takes blocks no sequence needs). Eager: a KV cache this
+    small is a graph of its own to compile, and the eager forward is row-invariant too."""
     cases = list(CASES.values())
-    settings = {"max_model_len": 224, "enable_prefix_caching": False, "kv_cache_memory": None}
-    off = make_llm(False, **settings)
-    block_bytes = (
-        off.engine.runner.kv_cache[:, :, 0].numel() * off.engine.runner.kv_cache.element_size()
-    )
-    settings["kv_cache_memory"] = 14 * block_bytes
+    settings = {"max_model_len": 224, "enable_prefix_caching": False, "enforce_eager": True}
+    probe = make_llm(False, **settings, kv_cache_memory="8MiB")
+    kv_cache = probe.engine.runner.kv_cache
+    settings["kv_cache_memory"] = 14 * kv_cache[:, :, 0].numel() * kv_cache.element_size()
     expected = run(make_llm(False, **settings), cases)
     on = make_llm(True, **settings)
     assert run(on, cases) == expected
