@@ -19,7 +19,10 @@ rename, extract, convert, repeat over a few hundred tokens of source), the work 
 speculative decoding by prompt lookup speeds up. Where the server exports vLLM's
 `vllm:spec_decode_*` counters on /metrics (pagedserve and vLLM with speculation on), each
 level also reports the acceptance length: tokens per verification, 1 + accepted draft
-tokens / drafts.
+tokens / drafts. Its requests send `repetition_penalty: 1.0` unless `--repetition-penalty`
+says otherwise: a penalty on the tokens seen fights the copying the tasks ask for, a model's
+generation config may set one (SmolLM2-135M-Instruct's: 1.1), and llama-server applies
+none by default, so pure greedy decoding is what compares servers on copying.
 """
 
 from __future__ import annotations
@@ -55,6 +58,9 @@ _COMMON_WORDS = (
 )
 WORDS = _COMMON_WORDS.split()
 ERROR_SAMPLES = 3
+# What the grounded workload sends as repetition_penalty by default: none (see the module's
+# docstring).
+GROUNDED_REPETITION_PENALTY = 1.0
 # vLLM's counters of speculative decoding, as exposed (the acceptance length's inputs).
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -170,6 +176,9 @@ class Benchmark:
         }
         if self.args.ignore_eos:
             body["ignore_eos"] = True
+        penalty = repetition_penalty(self.args)
+        if penalty is not None:
+            body["repetition_penalty"] = penalty
         return body
 
     async def request(self, model: str, prompt: str) -> RequestResult:
@@ -304,6 +313,13 @@ def format_report(reports: Sequence[LevelReport]) -> str:
     return format_table(headers, rows)
 
 
+def repetition_penalty(args: argparse.Namespace) -> float | None:
+    """The repetition_penalty the requests send; None: none is sent."""
+    if args.repetition_penalty is None and args.workload == "grounded":
+        return GROUNDED_REPETITION_PENALTY
+    return args.repetition_penalty
+
+
 def write_json(
     path: Path, args: argparse.Namespace, model: str, reports: Sequence[LevelReport]
 ) -> None:
@@ -314,6 +330,7 @@ def write_json(
         "workload": args.workload,
         "prompt_words": args.prompt_words,
         "temperature": args.temperature,
+        "repetition_penalty": repetition_penalty(args),
         "ignore_eos": args.ignore_eos,
         "levels": [asdict(r) for r in reports],
     }
@@ -379,6 +396,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--prompt-words", type=_positive_int, default=160, help="random workload only"
     )
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument(
+        "--repetition-penalty",
+        type=float,
+        help="sent as repetition_penalty; default: 1.0 with --workload grounded, else not "
+        "sent (the server's default)",
+    )
     parser.add_argument(
         "--ignore-eos", action="store_true", help="send ignore_eos (vLLM-style servers only)"
     )

@@ -23,6 +23,13 @@ DEFAULT_PRESET: dict[str, Any] = {
     "device": "cpu",
     "max_model_len": 4096,
     "kv_cache_memory": "2GiB",
+    "speculative_config": {
+        "method": "ngram",
+        "num_speculative_tokens": 7,
+        "prompt_lookup_max": 3,
+        "prompt_lookup_min": 1,
+        "disable_by_batch_size": 4,
+    },
 }
 
 

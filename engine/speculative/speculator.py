@@ -9,11 +9,6 @@ from engine.request.sample import SampleState
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex
 
-# After a verification that accepted nothing, a sequence sits out one step fewer than it
-# has missed in a row, up to this cap: a sequence whose context stopped repeating stops
-# paying for the lookups and the wider rows (a single miss costs nothing: the next draft
-# is one token, and a batch-1 step computes a padding row anyway).
-MAX_PAUSE = 16
 # The rows of a step that drafts may fill, decoding sequences' own rows included: up to
 # about 8, a step of the compiled int4 forward cost about what a step of one row costs on
 # this project's 2-core CPU (a probe of one to four 400-token sequences with 0 to 8 drafts
@@ -42,16 +37,14 @@ class SpeculationStats:
 
 @dataclass(slots=True)
 class _SequenceDrafts:
-    """One sequence's lookup index and how much speculation it has earned.
+    """One sequence's lookup index and the length of its next draft.
 
-    Invariants: `1 <= length <= num_speculative_tokens`; `pause >= 0` steps are left to
-    sit out.
+    Invariant: `length` is 1 (after a draft refused at its first token) or
+    `num_speculative_tokens` (at first, and after a draft that was accepted at all).
     """
 
     index: NgramIndex
     length: int
-    misses: int = 0
-    pause: int = 0
 
 
 class Speculator:
@@ -59,12 +52,13 @@ class Speculator:
 
     A sequence gets a draft only where its context's last n-gram occurred before (the
     lookup found something), only while at most `disable_by_batch_size` sequences run,
-    within its share of the step's `STEP_ROWS` (one token at least), and at most as long
-    as it has earned: the length doubles after a draft accepted whole, drops to what was
-    accepted plus one after a partial one, and a draft rejected at its first token twice
-    in a row pauses the sequence for a while (`MAX_PAUSE`). A draft stops before the first
-    token that would end the sample (EOS, a stop token id), within `max_tokens`, and, for
-    a sample with a grammar, before the first token the grammar forbids.
+    within its share of the step's `STEP_ROWS` (one token at least), and one token long
+    after a draft refused at its first token, whole again after one accepted at all: at
+    one sequence a one-token draft costs nothing (a batch-1 step of the compiled forward
+    computes a padding row anyway), and a context that repeats again earns its full length
+    back in one step. A draft stops before the first token that would end the sample (EOS,
+    a stop token id), within `max_tokens`, and, for a sample with a grammar, before the
+    first token the grammar forbids.
     Not thread-safe: the engine thread owns it.
     """
 
@@ -94,9 +88,6 @@ class Speculator:
                     config.num_speculative_tokens,
                 )
                 self._sequences[seq.seq_id] = state
-            if state.pause:
-                state.pause -= 1
-                continue
             room = min(seq.max_tokens - seq.num_output_tokens - 1, share, state.length)
             if room <= 0:
                 continue
@@ -114,18 +105,8 @@ class Speculator:
         for position in range(num_accepted):
             stats.accepted_per_position[position] += 1
         state = self._sequences.get(seq_id)
-        if state is None:
-            return
-        if num_accepted == 0:
-            state.misses += 1
-            state.length = 1
-            state.pause = min(state.misses - 1, MAX_PAUSE)
-            return
-        state.misses = 0
-        if num_accepted == num_drafted:
-            state.length = min(2 * state.length, self.config.num_speculative_tokens)
-        else:
-            state.length = num_accepted + 1
+        if state is not None:
+            state.length = self.config.num_speculative_tokens if num_accepted else 1
 
     def forget(self, seq_id: str) -> None:
         self._sequences.pop(seq_id, None)

@@ -47,6 +47,23 @@ def test_grounded_prompts_are_distinct_and_seeded() -> None:
     assert prompts != grounded_prompts(40, seed=2)
 
 
+@pytest.mark.parametrize(
+    ("flags", "sent"),
+    [
+        ([], None),
+        (["--workload", "grounded"], 1.0),
+        (["--workload", "grounded", "--repetition-penalty", "1.1"], 1.1),
+        (["--repetition-penalty", "1.2"], 1.2),
+    ],
+)
+def test_the_grounded_workload_sends_no_repetition_penalty(
+    flags: list[str], sent: float | None
+) -> None:
+    args = parse_args(["--url", "http://unused", *flags])
+    body = Benchmark(None, "http://unused", args).body("m", "p")  # type: ignore[arg-type]
+    assert body.get("repetition_penalty") == sent
+
+
 def test_the_grounded_workload_reports_the_acceptance_length(
     tiny_model_paths: dict[str, Path], tmp_path: Path
 ) -> None:
@@ -67,7 +84,7 @@ def test_the_grounded_workload_reports_the_acceptance_length(
         done = subprocess.run(command, capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
     report = json.loads(path.read_text())
-    assert report["workload"] == "grounded"
+    assert (report["workload"], report["repetition_penalty"]) == ("grounded", 1.0)
     (level,) = report["levels"]
     assert level["acceptance_length"] > 1
     assert done.stdout.splitlines()[1].split()[-2:] == ["accept", "len"]

@@ -108,23 +108,19 @@ def test_sequences_share_the_steps_rows() -> None:
     assert speculator.propose(samples[:1], 1) == {"s0": [3, 4, 5, 6]}  # type: ignore[arg-type]
 
 
-def test_length_follows_acceptance_and_misses_pause() -> None:
+def test_a_miss_shrinks_the_next_draft_to_one_token_and_an_acceptance_restores_it() -> None:
     speculator = Speculator(CONFIG)
     sample = decoding_sample(REPEATING)
     propose = lambda: speculator.propose([sample], 1).get("s", [])  # type: ignore[list-item]  # noqa: E731
     assert len(propose()) == 4
-    speculator.verified("s", 4, 1)  # partial: next time the accepted length plus one
-    assert len(propose()) == 2
-    speculator.verified("s", 2, 2)  # whole: doubles, up to num_speculative_tokens
+    speculator.verified("s", 4, 0)  # refused at its first token: a single token next
+    assert len(propose()) == 1
+    speculator.verified("s", 1, 0)  # missed again: still one token, never paused
+    assert len(propose()) == 1
+    speculator.verified("s", 1, 1)  # accepted: whole again
     assert len(propose()) == 4
-    speculator.verified("s", 4, 0)  # a miss: a single token next
-    assert len(propose()) == 1
-    speculator.verified("s", 1, 0)  # a second miss in a row: one step out
-    assert propose() == []
-    assert len(propose()) == 1
-    speculator.verified("s", 1, 0)  # a third: two steps out
-    assert propose() == [] and propose() == []
-    assert len(propose()) == 1
+    speculator.verified("s", 4, 2)  # partly accepted: stays whole
+    assert len(propose()) == 4
     stats = speculator.stats
-    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (5, 12, 3)
+    assert (stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens) == (4, 10, 3)
     assert stats.accepted_per_position == [2, 1, 0, 0]

@@ -1,5 +1,6 @@
 """Nothing compiles on a request's path: once /health answers, no request of any kind
-starts Dynamo, Inductor, Triton or a C++ compiler.
+starts Dynamo, Inductor, Triton or a C++ compiler, draft rows of speculative decoding
+(on, as configs/default.yaml serves it) included.
 
 A compile on the engine thread freezes every running stream for its whole length (10.5 s
 for llguidance's `torch.compile`d mask on an empty Inductor cache, at the first structured
@@ -25,6 +26,7 @@ from tests.server.serve_process import serve_process
 
 START_TIMEOUT = 300  # the compiled variant compiles the tiny forward first, on 2 busy cores
 STREAMS = 4
+DRAFTS = "vllm:spec_decode_num_drafts_total"
 
 PERSON = {
     "type": "object",
@@ -110,6 +112,8 @@ REQUESTS: list[tuple[str, dict[str, Any]]] = [
     ("/detokenize", {"model": "tiny", "tokens": [5, 6, 7]}),
 ]
 GETS = ["/v1/models", "/metrics", "/version", "/dashboard/state"]
+# Speculation as configs/default.yaml serves it, so draft rows go through the forward too.
+SPECULATIVE = '{"method": "ngram", "num_speculative_tokens": 7, "prompt_lookup_max": 3}'
 
 
 @contextmanager
@@ -118,6 +122,7 @@ def watched_server(model: Path, log: Path, env: dict[str, str], *args: str) -> I
     arguments = [
         *("--model", str(model), "--dtype", "float32", "--device", "cpu"),
         *("--kv-cache-memory", "64MiB", "--max-model-len", "2048", "--served-model-name", "tiny"),
+        *("--speculative-config", SPECULATIVE),
         *args,
     ]
     output = log.with_suffix(".out")
@@ -139,7 +144,8 @@ async def _send(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> str
 
 async def _every_kind_of_request(url: str) -> None:
     """Every request of REQUESTS while STREAMS long streams run, all at once; then each
-    alone (a batch of one constrained row masks all of its logits in place)."""
+    alone (a batch of one constrained row masks all of its logits in place); some steps
+    verify drafts."""
     stream = COMPLETION | {"max_tokens": 200, "ignore_eos": True, "stream": True}
     async with httpx.AsyncClient(base_url=url, timeout=180) as http:
         async with asyncio.TaskGroup() as group:  # a failure cancels the rest
@@ -151,6 +157,9 @@ async def _every_kind_of_request(url: str) -> None:
             await _send(http, path, body)
         for path in GETS:
             assert (await http.get(path)).status_code == 200, path
+        metrics = (await http.get("/metrics")).text
+    drafts = [line for line in metrics.splitlines() if line.startswith(DRAFTS)]
+    assert drafts and float(drafts[0].split()[-1]) > 0, "no step verified a draft"
 
 
 @pytest.mark.parametrize(
