@@ -47,10 +47,10 @@ from bench import throughput
 from bench.tables import engine_setting, format_table, positive_ints
 from bench.workloads import ordinary_token_ids, random_workload
 from engine import LLM, SamplingParams
+from engine.linears.packed_linear import can_pack, pack_linear_layers
 from engine.llm_engine import LLMEngine
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.loader import load_model
-from engine.model.packed_linear import can_pack, pack_linear_layers
 
 logger = logging.getLogger("bench.step_profile")
 

@@ -13,13 +13,14 @@ import torch
 
 from cache import BlockManager, bytes_per_block, cdiv, extend_block_hashes, profile_num_blocks
 from engine.config import ConfigError, EngineConfig
-from engine.model import quantized_linear
+from engine.grammar.grammar import GrammarCompiler
+from engine.linears import quantized_linear
+from engine.linears.packed_linear import can_pack, pack_linear_layers
 from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
-from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.runner import ModelRunner
 from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
@@ -28,7 +29,6 @@ from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
 from engine.sampling.defaults import resolve_defaults
-from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator

@@ -29,10 +29,10 @@ from scale_out.forwarding import ForwardedRequest
 from scale_out.metrics import merge_replica_metrics
 from scale_out.prompt_hashes import PromptHasher
 from scale_out.replica import PromptRendering
-from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError, error_body
 from server.streaming import DONE, sse
+from server.tools.chat_tools import ToolSyntax
 
 logger = logging.getLogger(__name__)
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from cache.block_hash import extend_block_hashes
 from engine.request.intake import RenderedPrompt, RequestProcessor
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tools.chat_tools import ChatTools, ToolSyntax, template_inputs
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

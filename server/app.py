@@ -23,9 +23,10 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, dashboard, info, responses, tokenization
+from server import chat, completions, info, responses, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
+from server.dashboard import routes as dashboard
 from server.errors import install_error_handlers
 from server.request_id import RequestIdMiddleware
 from server.state import ServerState

@@ -17,7 +17,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import require_api_key
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
@@ -38,7 +37,8 @@ from server.protocol import (
 from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
 from server.state import ServerState
 from server.streaming import DONE, sse
-from server.tools import ToolCallStream
+from server.tools.call_formats import ToolCallStream
+from server.tools.chat_tools import ChatTools, ToolSyntax, template_inputs
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

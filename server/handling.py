@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
-    from server.chat_tools import ChatTools, ToolSyntax
+    from server.tools.chat_tools import ChatTools, ToolSyntax
 
 T = TypeVar("T")
 # The chat template's inputs: the messages, the `tools` argument, other variables.

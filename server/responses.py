@@ -24,7 +24,6 @@ from pydantic import BaseModel
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import key_owner, require_api_key
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
 from server.handling import Handling, json_response
@@ -43,7 +42,8 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.tools import ToolCallStream
+from server.tools.call_formats import ToolCallStream
+from server.tools.chat_tools import ChatTools, ToolSyntax, template_inputs
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

@@ -10,13 +10,13 @@ from typing import TYPE_CHECKING
 from fastapi import Request
 
 from server.admission import Admission, max_queued
-from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError
 from server.history import StatsHistory
 from server.metrics import ServerMetrics
 from server.reasoning import ReasoningSyntax
 from server.response_store import ResponseStore
+from server.tools.chat_tools import ToolSyntax
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

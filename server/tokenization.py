@@ -12,7 +12,6 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from engine.request.intake import ChatTemplateError
 from server.auth import require_api_key
-from server.chat_tools import conversation
 from server.errors import invalid_request, user_errors
 from server.protocol import (
     DetokenizeRequest,
@@ -21,6 +20,7 @@ from server.protocol import (
     TokenizeResponse,
 )
 from server.state import server_state
+from server.tools.chat_tools import conversation
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
 

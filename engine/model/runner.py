@@ -8,10 +8,10 @@ import torch
 from transformers import PreTrainedModel
 
 from cache import cdiv
+from engine.compiled.compiled_forward import CompiledForward, pad_step
+from engine.compiled.decode_graphs import DecodeGraphs
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.block_tables import BlockTables
-from engine.model.compiled_forward import CompiledForward, pad_step
-from engine.model.decode_graphs import DecodeGraphs
 from engine.model.model_forward import model_logits
 from engine.model.step_inputs import Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput

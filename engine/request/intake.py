@@ -22,7 +22,7 @@ from scheduler import SchedulingPolicy
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    from engine.sampling.grammar import GrammarCompiler
+    from engine.grammar.grammar import GrammarCompiler
 
 # One prompt: text, or token ids.
 Prompt = str | list[int]

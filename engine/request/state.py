@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from engine.grammar.grammar import GrammarCompiler
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
 from engine.request.sample import SampleState, StopChecker, ending_token_ids
-from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import SamplingRow, seeded_generator
 from scheduler import Sequence
 

@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from engine.grammar.grammar import mask_logits
 from engine.outputs import TokenLogprobs
-from engine.sampling.grammar import mask_logits
 from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:

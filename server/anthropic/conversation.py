@@ -23,9 +23,9 @@ from server.anthropic.protocol import (
     ThinkingOut,
     ToolUseOut,
 )
-from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.protocol import ChatMessage, FunctionCall, ToolCall
-from server.tools import Function
+from server.tools.call_formats import Function
+from server.tools.chat_tools import ChatTools, ToolSyntax, conversation
 
 if TYPE_CHECKING:
     from server.anthropic.protocol import CountTokensRequest

@@ -32,13 +32,13 @@ from server.anthropic.protocol import (
     Usage,
 )
 from server.auth import require_api_key
-from server.chat_tools import ChatTools, ToolSyntax
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
 from server.generation import final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
 from server.reasoning import ReasoningSyntax, split_reasoning
 from server.state import ServerState
-from server.tools import ToolCallStream
+from server.tools.call_formats import ToolCallStream
+from server.tools.chat_tools import ChatTools, ToolSyntax
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

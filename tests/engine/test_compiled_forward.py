@@ -21,10 +21,10 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine import LLM, SamplingParams
+from engine.compiled.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
 from engine.config import ConfigError, cache_root
+from engine.linears.bf16_linear import Bf16Linear
 from engine.model.attention_backend import unavailable_reason
-from engine.model.bf16_linear import Bf16Linear
-from engine.model.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
 from engine.model.kernels import bf16_linear
 
 CPU = torch.device("cpu")

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling.grammar import apply_token_bitmask
+from engine.grammar.grammar import apply_token_bitmask
 from engine.sampling.params import StructuredOutputs
 from engine.sampling.sampler import Sampler, SamplingRow
 from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES

@@ -1,7 +1,7 @@
 """The engine on the Triton backend, eager and with bucketed decode graphs: greedy output
 equals transformers' `generate()`, padding rows touch no KV slot, and settings that cannot
 run are refused. Without CUDA, Triton runs through its interpreter and the decode graphs
-run their static, padded forward without capture (see `engine.model.decode_graphs`)."""
+run their static, padded forward without capture (see `engine.compiled.decode_graphs`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.compiled.decode_graphs import decode_buckets
 from engine.config import ConfigError
 from engine.model.attention_backend import choose_backend
-from engine.model.decode_graphs import decode_buckets
 from tests.engine.test_greedy_equivalence import (
     MAX_TOKENS,
     TINY_BLOCK_BYTES,

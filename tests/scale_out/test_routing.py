@@ -20,7 +20,7 @@ from scale_out.metrics import merge_replica_metrics
 from scale_out.policy import preferred_replicas
 from scale_out.prefix_index import PrefixIndex
 from scale_out.prompt_hashes import PromptHasher
-from server.chat_tools import ToolSyntax
+from server.tools.chat_tools import ToolSyntax
 from tests.server.test_reasoning import QWEN3_TEMPLATE
 
 BLOCK = 4

@@ -18,9 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.tools import (
+from server.tools.call_formats import (
     Function,
     HermesFormat,
     Llama3JsonFormat,
@@ -28,6 +27,7 @@ from server.tools import (
     ToolCallStream,
     choose_format,
 )
+from server.tools.chat_tools import ChatTools, ToolSyntax, conversation
 from tests.server.conftest import client, live_server, tiny_config
 
 WEATHER = Function(

@@ -26,9 +26,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.request.intake import SpecialTokens
 from engine.sampling.params import StructuredOutputs
-from server.chat_tools import ChatTools, ToolSyntax
 from server.protocol import ChatCompletionRequest
-from server.tools import HermesFormat, Llama3JsonFormat
+from server.tools.call_formats import HermesFormat, Llama3JsonFormat
+from server.tools.chat_tools import ChatTools, ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
 from tests.server.test_tools import (
     A_MOVE,

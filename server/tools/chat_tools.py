@@ -25,8 +25,8 @@ from server.protocol import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
-from server.tools import Function, ParsedToolCall, ToolCallFormat, choose_format
-from server.tools import template_takes_tools as takes_tools
+from server.tools.call_formats import Function, ParsedToolCall, ToolCallFormat, choose_format
+from server.tools.call_formats import template_takes_tools as takes_tools
 
 if TYPE_CHECKING:
     from engine.request.intake import SpecialTokens

@@ -333,7 +333,7 @@ def _arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-# No optional whitespace, as in structured outputs (engine/sampling/grammar.py): a small
+# No optional whitespace, as in structured outputs (engine/grammar/grammar.py): a small
 # model free to add whitespace inside a call can spend its whole budget on newlines.
 _ARGUMENTS_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

@@ -66,14 +66,14 @@ import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import PreTrainedModel
 
+from engine.compiled.decode_graphs import PADDING_ROW
 from engine.config import ConfigError, cache_root
 from engine.first_use import build_once
+from engine.linears.linear_groups import GroupSharedInputs
+from engine.linears.opaque_linear import OpaqueLinear
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.decode_graphs import PADDING_ROW
 from engine.model.kernels.cpp_extension import cpu_flags
-from engine.model.linear_groups import GroupSharedInputs
 from engine.model.model_forward import model_logits
-from engine.model.opaque_linear import OpaqueLinear
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -168,7 +168,6 @@ class CompiledForward:
 
     def key(self) -> str:
         """The hash of everything the compiled graph depends on (the module's docstring)."""
-        sources = Path(__file__).parent
         digest = hashlib.sha256()
         for part in (
             FORMAT, torch.__version__, transformers.__version__, sys.version, cpu_flags(),
@@ -178,7 +177,7 @@ class CompiledForward:
             str(_handles(self._model)),
         ):  # fmt: skip
             digest.update(part.encode() + b"\0")
-        for source in sorted([*sources.rglob("*.py"), *sources.rglob("*.cpp")]):
+        for source in _sources():
             digest.update(source.read_bytes() + b"\0")
         return digest.hexdigest()[:16]
 
@@ -256,6 +255,19 @@ def _step(
         kv_cache, slots, tables, query_start, context_lens, max_query_len=0
     )
     return model_logits(model, input_ids[None], positions[None], logits_index, metadata)
+
+
+def _sources() -> list[Path]:
+    """The sources a graph's code comes from: the model's (attention, kernels), the
+    linears' and this folder's."""
+    engine = Path(__file__).parents[1]
+    folders = (engine / "model", engine / "linears", engine / "compiled")
+    return sorted(
+        path
+        for folder in folders
+        for path in folder.rglob("*")
+        if path.suffix in (".py", ".cpp", ".h")
+    )
 
 
 def _handles(model: PreTrainedModel) -> list[int]:

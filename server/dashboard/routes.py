@@ -1,6 +1,6 @@
 """The live dashboard: a page at /dashboard and the JSON it polls at /dashboard/state.
 
-The page and its script (server/static/) are open: they hold no data and no secret, and
+The page and its script (server/dashboard/static/) are open: they hold no data and no secret, and
 refer to nothing outside this server (their Content-Security-Policy forbids it). The data
 endpoint requires the API key like /v1; the page sends it as a bearer token.
 """
