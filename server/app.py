@@ -23,10 +23,9 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, info, responses, tokenization
+from server import capabilities, chat, completions, info, responses, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
-from server.dashboard import routes as dashboard
 from server.errors import install_error_handlers
 from server.request_id import RequestIdMiddleware
 from server.state import ServerState
@@ -77,8 +76,7 @@ def build_app(
     app.include_router(messages.router)
     app.include_router(tokenization.router)
     app.include_router(responses.router)
-    app.include_router(dashboard.page_router)
-    app.include_router(dashboard.data_router)
+    capabilities.install_dashboard(app)
     return app
 
 

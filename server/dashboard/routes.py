@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
@@ -32,6 +32,12 @@ _HEADERS = {
 
 page_router = APIRouter(include_in_schema=False)
 data_router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def install(app: FastAPI) -> None:
+    """Serve the page and its script (open) and the data (behind the API key) from `app`."""
+    app.include_router(page_router)
+    app.include_router(data_router)
 
 
 class BlockMap(BaseModel):
