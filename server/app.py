@@ -45,7 +45,7 @@ def build_app(
     """An app serving `config`; `llm_factory` builds the engine (in a worker thread),
     `on_load_error` hears of a failure to build it and `on_engine_death` of its loop dying
     (on the event loop, after the requests in flight were failed)."""
-    state = ServerState(config)
+    state = ServerState(config, tool_room=capabilities.tool_calling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
