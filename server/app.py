@@ -3,12 +3,12 @@ lifetime.
 
 The engine loads in a background task started by the lifespan, so the server answers
 (with 503s, /health included) while a model loads for seconds or minutes; the lifespan's
-exit shuts the engine down. Another of its tasks records the dashboard's history, and a
-third watches the engine: if its loop dies, every request in flight has been failed (a 500,
-or an error event on a stream), /health and new requests answer 503, and
-`on_engine_death` hears of it (`pagedserve serve` then exits, so a supervisor restarts it).
-The store of /v1/responses opens before the server answers (a failure to open it stops
-start-up) and closes last.
+exit shuts the engine down. The tasks rooms registered in the state's `background` (the
+dashboard's history) run beside it, and another task watches the engine: if its loop
+dies, every request in flight has been failed (a 500, or an error event on a stream),
+/health and new requests answer 503, and `on_engine_death` hears of it (`pagedserve
+serve` then exits, so a supervisor restarts it). The store of /v1/responses opens before
+the server answers (a failure to open it stops start-up) and closes last.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.responses.open()
         loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
-        recording = asyncio.create_task(state.history.run())
+        running = [asyncio.create_task(task()) for task in state.background]
         watching = asyncio.create_task(_watch_engine(state, loading, on_engine_death))
         try:
             yield
         finally:
-            recording.cancel()
+            for task in running:
+                task.cancel()
             # A load in progress cannot be interrupted; let it finish so its engine
             # thread can be stopped rather than leaked.
             await loading

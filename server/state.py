@@ -1,19 +1,18 @@
-"""What the request handlers of one app share: settings, metrics, the dashboard's history
-and the engine."""
+"""What the request handlers of one app share: settings, metrics, the engine, and the
+tasks that the app's rooms run beside it."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from server.admission import Admission, max_queued
 from server.config import ServeConfig
 from server.errors import OpenAIError
-from server.history import StatsHistory
 from server.metrics import ServerMetrics
 from server.reasoning import ReasoningSyntax
 from server.response_store import ResponseStore
@@ -42,7 +41,9 @@ class ServerState:
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
-    history: StatsHistory = field(init=False)
+    # Run by the app's lifespan from start-up to shutdown, cancelled then (a room's own
+    # loops, such as the dashboard's history); registered before the app starts.
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     api_keys: tuple[bytes, ...] = field(init=False, repr=False)
     responses: ResponseStore = field(init=False)
     _tool_calling: ToolCalling | None = field(default=None, init=False, repr=False)
@@ -58,7 +59,6 @@ class ServerState:
             self.engine_waiting,
             self.metrics.requests_rejected.inc,
         )
-        self.history = StatsHistory(self.engine_stats, self.metrics.time_to_first_token)
         self.api_keys = tuple(key.encode() for key in self.config.api_keys())
         self.responses = ResponseStore(self.config.response_store_path())
 
