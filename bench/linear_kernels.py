@@ -28,10 +28,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model.bf16_linear import Bf16Linear
+from engine.linears.bf16_linear import Bf16Linear
+from engine.linears.packed_linear import PackedLinear, can_pack, pack_linear_layers
+from engine.linears.quantized_linear import HEAD_BITS, MODES, QuantizedLinear
 from engine.model.kernels import bf16_linear
-from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
-from engine.model.quantized_linear import HEAD_BITS, MODES, QuantizedLinear
 
 CPU = torch.device("cpu")
 NUM_LAYERS = 30

@@ -28,14 +28,14 @@ import torch
 import torch.nn.functional as F
 from transformers.utils import logging as transformers_logging
 
-from engine.model.loader import load_model, resolve_model_folder
-from engine.model.packed_linear import can_pack, pack_linear_layers
-from engine.model.quantized_linear import (
+from engine.linears.packed_linear import can_pack, pack_linear_layers
+from engine.linears.quantized_linear import (
     MODES,
     max_kernel_rows,
     quantize_linear_layers,
     unavailable_reason,
 )
+from engine.model.loader import load_model, resolve_model_folder
 
 CPU = torch.device("cpu")
 

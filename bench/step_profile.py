@@ -47,10 +47,10 @@ from bench import throughput
 from bench.tables import engine_setting, format_table, positive_ints
 from bench.workloads import ordinary_token_ids, random_workload
 from engine import LLM, SamplingParams
+from engine.linears.packed_linear import can_pack, pack_linear_layers
 from engine.llm_engine import LLMEngine
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.loader import load_model
-from engine.model.packed_linear import can_pack, pack_linear_layers
 
 logger = logging.getLogger("bench.step_profile")
 
@@ -126,11 +126,11 @@ class InstrumentedEngine:
         engine.sampler.sample = self.sampling.wrap(engine.sampler.sample)  # type: ignore[method-assign]
         self.attention_name = engine.model.config._attn_implementation
         self.attention_function = ALL_ATTENTION_FUNCTIONS[self.attention_name]
-        if runner.compiled is not None:
+        if runner.executor.name == "compiled":
             # Compiled code calls neither the model object nor the attention function.
-            runner.compiled = self.model.wrap(runner.compiled)
+            runner.executor.run = self.model.wrap(runner.executor.run)  # type: ignore[method-assign]
             return
-        runner.model = self.model.wrap(runner.model)
+        runner.eager.model = self.model.wrap(runner.eager.model)
         # The model looks its attention function up by name on every call; wrap the one
         # this engine registered (a torch path or the C++ kernel's).
         AttentionInterface.register(

@@ -99,14 +99,14 @@ class EngineConfig(BaseModel):
     # with one warning that says why where it cannot. false on the CPU: every step runs
     # one forward compiled by Inductor around the C++ attention kernel, compiled once per
     # machine, model and settings and loaded from $PAGEDSERVE_CACHE/compiled after that
-    # (engine/model/compiled_forward.py); start-up fails where it cannot. false on CUDA:
+    # (engine/compiled/compiled_forward.py); start-up fails where it cannot. false on CUDA:
     # decode steps replay CUDA graphs captured per batch-size bucket (needs
     # attention_backend 'triton'; not yet run on a GPU in this project, so null stays
     # eager on CUDA). true: eager, what the tests compare against.
     enforce_eager: bool | None = Field(
         None, description="default: compiled where it can be (a compiler is found), else eager"
     )
-    # Weight-only quantization of the linear layers (CPU only; engine/model/quantized_linear.py).
+    # Weight-only quantization of the linear layers (CPU only; engine/linears/quantized_linear.py).
     # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF in its own
     # type: a GGUF whose linears are 4-bit (Q4_1, the default model's) runs int4, 5- to
     # 8-bit runs int8, anything else (and any device or dtype the kernel does not take)

@@ -12,14 +12,14 @@ from typing import Any
 import torch
 
 from cache import BlockManager, bytes_per_block, cdiv, extend_block_hashes, profile_num_blocks
+from engine import capabilities
+from engine.capabilities import StepPath
 from engine.config import ConfigError, EngineConfig
-from engine.model import quantized_linear
 from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
-from engine.model.packed_linear import can_pack, pack_linear_layers
 from engine.model.runner import ModelRunner
 from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
@@ -28,7 +28,6 @@ from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
 from engine.sampling.defaults import resolve_defaults
-from engine.sampling.grammar import GrammarCompiler
 from engine.sampling.sampler import Sampler, SamplerOutput
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator
@@ -56,7 +55,7 @@ class LLMEngine:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         if config.quantization not in ("auto", "none"):
-            reason = quantized_linear.unavailable_reason(
+            reason = capabilities.quantization_unavailable(
                 self.device, self.dtype, config.quantization
             )
             if reason is not None:
@@ -86,14 +85,8 @@ class LLMEngine:
         if mode != "none":
             # The packing below takes plain `nn.Linear`s only: it leaves these alone.
             folder = Path(loaded.source)
-            quantized_linear.quantize_linear_layers(
-                self.model,
-                mode,
-                quantized_linear.max_kernel_rows(self.dtype),
-                folder if folder.is_dir() else None,
-            )
-        if can_pack(self.device, self.dtype):
-            pack_linear_layers(self.model)
+            capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
+        capabilities.pack(self.model, self.device, self.dtype)
         self.compiled = self._compiles(config)
         # Decode graphs: enforce_eager false wherever the forward is not compiled instead
         # (CUDA, which `_compiles` held to Triton, and Triton's interpreter on the CPU).
@@ -119,8 +112,7 @@ class LLMEngine:
             self.block_size,
             config.max_num_seqs,
             self.max_model_len,
-            decode_graphs=self.decode_graphs,
-            compiled=self.compiled,
+            step_path=capabilities.step_executor(self._step_path(), config.max_num_seqs),
         )
         self._warm_up(config)
         block_manager = BlockManager(
@@ -137,11 +129,13 @@ class LLMEngine:
             sliding_window=self.kv_layout.sliding_window,
             policy=config.scheduling_policy,
         )
-        self.sampler = Sampler(config.seed, self.device)
+        self.grammars = capabilities.grammar_compiler(
+            self.tokenizer, self.vocab_size, self.eos_token_ids
+        )
+        self.sampler = Sampler(config.seed, self.device, self.grammars)
         self.speculator = (
             Speculator(config.speculative_config) if config.speculative_config else None
         )
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
         self.processor = RequestProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -184,7 +178,7 @@ class LLMEngine:
         if config.quantization != "auto":
             return config.quantization
         if checkpoint != "none":
-            reason = quantized_linear.unavailable_reason(self.device, self.dtype, checkpoint)
+            reason = capabilities.quantization_unavailable(self.device, self.dtype, checkpoint)
             if reason is not None:
                 logger.warning(
                     "the checkpoint's linears are %s, but the %s kernel cannot run here (%s): "
@@ -224,9 +218,18 @@ class LLMEngine:
             f"{reason}"
         )
 
+    def _step_path(self) -> StepPath:
+        """The path every step takes (see `_compiles` and `decode_graphs`)."""
+        if self.compiled:
+            return "compiled"
+        return "graphs" if self.decode_graphs else "eager"
+
     def _cannot_compile_reason(self, config: EngineConfig) -> str | None:
         if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
             return "TORCHDYNAMO_DISABLE=1 is set"
+        missing = capabilities.compiled_unavailable()
+        if missing is not None:
+            return missing
         if self.attention.backend.compiles:
             return None
         if config.attention_backend != "auto":
@@ -249,7 +252,7 @@ class LLMEngine:
             if not self.compiled or config.enforce_eager is not None:
                 raise
             logger.warning("serving eager, not compiled: %s", exc)
-            self.runner.compiled = None
+            self.runner.executor = self.runner.eager
             self.compiled = False
 
     def _profile_num_blocks(self, layout: KVLayout) -> int:
@@ -274,7 +277,9 @@ class LLMEngine:
                 self.block_size,
                 self.config.max_num_seqs,
                 self.max_model_len,
-                decode_graphs=self.decode_graphs,
+                step_path=capabilities.step_executor(
+                    "graphs" if self.decode_graphs else "eager", self.config.max_num_seqs
+                ),
             )
             seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
             item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))

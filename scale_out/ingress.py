@@ -18,6 +18,7 @@ import asyncio
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
+from functools import cache, partial
 
 from ray import serve
 from ray.exceptions import RayActorError
@@ -29,7 +30,7 @@ from scale_out.forwarding import ForwardedRequest
 from scale_out.metrics import merge_replica_metrics
 from scale_out.prompt_hashes import PromptHasher
 from scale_out.replica import PromptRendering
-from server.chat_tools import ToolSyntax
+from server.capabilities import tool_calling
 from server.config import ServeConfig
 from server.errors import OpenAIError, error_body
 from server.streaming import DONE, sse
@@ -55,8 +56,11 @@ class Ingress:
             processor = RequestProcessor(
                 rendering.tokenizer, rendering.vocab_size, rendering.max_model_len
             )
-            syntax = ToolSyntax.of(config.tool_call_parser, rendering.tokenizer.chat_template)
-            hasher = PromptHasher(processor, syntax, config.block_size)
+            # The tools room is imported by the first chat that needs it, once.
+            calling = cache(
+                partial(tool_calling, config.tool_call_parser, rendering.tokenizer.chat_template)
+            )
+            hasher = PromptHasher(processor, calling, config.block_size)
         self._app = IngressApp(engine, hasher)
 
     def __serve_build_asgi_app__(self) -> IngressApp:

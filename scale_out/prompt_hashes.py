@@ -3,7 +3,7 @@ the replica.
 
 The ingress renders and tokenizes the prompt exactly as a replica would (the same
 tokenizer, `RequestProcessor.render_chat` / `encode`, and the server's own
-`template_inputs` for chats), then hashes its full blocks with the cache's own chained
+`render` of a conversation for chats), then hashes its full blocks with the cache's own chained
 hash (`cache.block_hash.extend_block_hashes`). So block i of a request here is block i of
 that request in any replica's prefix cache, and two requests share their first k hashes
 exactly when a replica could serve the second one's first k blocks from the first's. The
@@ -12,10 +12,13 @@ replica takes the token ids and hashes as they are (`server.rendered_prompt`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from cache.block_hash import extend_block_hashes
 from engine.request.intake import RenderedPrompt, RequestProcessor
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
+from server.conversation import render
 from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.tool_calling import ToolCalling, ToolRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
@@ -23,11 +26,19 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 
 class PromptHasher:
     """Maps a request body to its prompt, rendered and hashed. Not thread-safe (it owns the
-    processor's tokenizer): the ingress calls it from one worker thread."""
+    processor's tokenizer): the ingress calls it from one worker thread. `tool_calling`
+    gives the tools room's `ToolCalling`, called only for a chat that offers tools or holds
+    earlier calls; where it gives None (the room cannot be imported) such a chat has no
+    prompt here, and the replica refuses it."""
 
-    def __init__(self, processor: RequestProcessor, syntax: ToolSyntax, block_size: int) -> None:
+    def __init__(
+        self,
+        processor: RequestProcessor,
+        tool_calling: Callable[[], ToolCalling | None],
+        block_size: int,
+    ) -> None:
         self.processor = processor
-        self.syntax = syntax
+        self.tool_calling = tool_calling
         self.block_size = block_size
 
     def render(self, path: str, body: bytes) -> RenderedPrompt | None:
@@ -48,8 +59,17 @@ class PromptHasher:
                 return self.processor.encode(prompt) if isinstance(prompt, str) else prompt
             if path == CHAT_COMPLETIONS:
                 chat = ChatCompletionRequest.model_validate_json(body)
-                messages, tools, variables = template_inputs(chat, self.syntax, ChatTools.of(chat))
-                return self.processor.render_chat(messages, tools=tools, template_kwargs=variables)
+                rendered = render(
+                    chat.messages,
+                    ToolRequest.of(chat),
+                    chat.chat_template_kwargs,
+                    self.tool_calling,
+                )
+                return self.processor.render_chat(
+                    rendered.messages,
+                    tools=rendered.template_tools,
+                    template_kwargs=rendered.variables,
+                )
         except ValueError:  # pydantic's ValidationError, or the chat template's refusal
             return None
         return None

@@ -3,12 +3,12 @@ lifetime.
 
 The engine loads in a background task started by the lifespan, so the server answers
 (with 503s, /health included) while a model loads for seconds or minutes; the lifespan's
-exit shuts the engine down. Another of its tasks records the dashboard's history, and a
-third watches the engine: if its loop dies, every request in flight has been failed (a 500,
-or an error event on a stream), /health and new requests answer 503, and
-`on_engine_death` hears of it (`pagedserve serve` then exits, so a supervisor restarts it).
-The store of /v1/responses opens before the server answers (a failure to open it stops
-start-up) and closes last.
+exit shuts the engine down. The tasks rooms registered in the state's `background` (the
+dashboard's history) run beside it, and another task watches the engine: if its loop
+dies, every request in flight has been failed (a 500, or an error event on a stream),
+/health and new requests answer 503, and `on_engine_death` hears of it (`pagedserve
+serve` then exits, so a supervisor restarts it). The store of /v1/responses opens before
+the server answers (a failure to open it stops start-up) and closes last.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import chat, completions, dashboard, info, responses, tokenization
+from server import capabilities, chat, completions, info, responses, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import install_error_handlers
@@ -45,18 +45,19 @@ def build_app(
     """An app serving `config`; `llm_factory` builds the engine (in a worker thread),
     `on_load_error` hears of a failure to build it and `on_engine_death` of its loop dying
     (on the event loop, after the requests in flight were failed)."""
-    state = ServerState(config)
+    state = ServerState(config, tool_room=capabilities.tool_calling)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await state.responses.open()
         loading = asyncio.create_task(_load_engine(state, llm_factory, on_load_error))
-        recording = asyncio.create_task(state.history.run())
+        running = [asyncio.create_task(task()) for task in state.background]
         watching = asyncio.create_task(_watch_engine(state, loading, on_engine_death))
         try:
             yield
         finally:
-            recording.cancel()
+            for task in running:
+                task.cancel()
             # A load in progress cannot be interrupted; let it finish so its engine
             # thread can be stopped rather than leaked.
             await loading
@@ -76,8 +77,7 @@ def build_app(
     app.include_router(messages.router)
     app.include_router(tokenization.router)
     app.include_router(responses.router)
-    app.include_router(dashboard.page_router)
-    app.include_router(dashboard.data_router)
+    capabilities.install_dashboard(app)
     return app
 
 

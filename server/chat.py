@@ -17,7 +17,7 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import require_api_key
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
+from server.conversation import render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
@@ -38,7 +38,7 @@ from server.protocol import (
 from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
 from server.state import ServerState
 from server.streaming import DONE, sse
-from server.tools import ToolCallStream
+from server.tool_calling import CallStream, OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -64,14 +64,15 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     handling.check_tool_count(len(body.tools or ()))
-    syntax, tools, reasoning = state.tool_syntax(), ChatTools.of(body), state.reasoning_syntax()
+    reasoning = state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
             max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
         )
-        inputs = template_inputs(body, syntax, tools)
-        prompt = await handling.chat_prompt(params, tools, syntax, reasoning, inputs, aliases)
-    chat = _Chat(state, llm, body, prompt, syntax, tools, reasoning, handling.deadline)
+        tools = ToolRequest.of(body)
+        conversation = render(body.messages, tools, body.chat_template_kwargs, state.tool_calling)
+        prompt = await handling.chat_prompt(params, conversation, reasoning, aliases)
+    chat = _Chat(state, llm, body, prompt, conversation.tools, reasoning, handling.deadline)
     if body.stream:
         return handling.stream(prompt.params.n, chat.events)
     return json_response(chat.response(await handling.run(prompt.params.n, chat.run)))
@@ -87,8 +88,7 @@ class _Chat:
     llm: AsyncLLM
     body: ChatCompletionRequest
     prompt: EngineRequest
-    syntax: ToolSyntax
-    tools: ChatTools | None
+    tools: OfferedTools | None
     reasoning: ReasoningSyntax | None
     deadline: Deadline | None
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
@@ -109,7 +109,7 @@ class _Chat:
             content: str | None = answer
             calls: list[ResponseToolCall] = []
             if self.tools is not None:
-                content, calls = self.tools.response_calls(answer, self.syntax)
+                content, calls = self.tools.response_calls(answer)
             message = ChatResponseMessage(
                 content=content, reasoning_content=reasoning, tool_calls=calls or None
             )
@@ -167,9 +167,8 @@ class _Chat:
                     calls: list[ResponseToolCall] = []
                     if stream is not None:
                         rest = stream.feed(rest)
-                        more, parsed = stream.finish()
+                        more, calls = stream.finish()
                         rest += more
-                        calls = self.tools.as_response(parsed) if self.tools and parsed else []
                     if reasoning or rest:
                         delta = _text_delta(reasoning, rest)
                         choice = ChatStreamChoice(index=completion.index, delta=delta)
@@ -196,15 +195,11 @@ class _Chat:
             yield sse(self._chunk(None, count_usage([whole])))
         yield DONE
 
-    def _tool_streams(self) -> dict[int, ToolCallStream]:
+    def _tool_streams(self) -> dict[int, CallStream]:
         """Per choice, the splitter of its text into content and calls (if tools are on)."""
         if self.tools is None:
             return {}
-        forced = self.tools.forced is not None
-        return {
-            index: ToolCallStream(self.syntax.format, forced)
-            for index in range(self.prompt.params.n)
-        }
+        return {index: self.tools.stream() for index in range(self.prompt.params.n)}
 
     def _reasoning_streams(self) -> dict[int, ReasoningStream]:
         """Per choice, the splitter of its text into reasoning and answer (if it reasons)."""

@@ -65,7 +65,7 @@ class ServeConfig(EngineConfig):
     log_level: Literal["critical", "error", "warning", "info", "debug"] = Field(
         "info", description="the server log's level"
     )
-    # How the model writes tool calls (server/tools.py); auto reads the chat template.
+    # How the model writes tool calls (server/tools/call_formats.py); auto reads the chat template.
     tool_call_parser: Literal["auto", "hermes", "llama3_json"] = "auto"
     reasoning_parser: Literal["auto", "qwen3", "deepseek_r1", "none"] = Field(
         "auto",

@@ -2,11 +2,12 @@
 
 Chat completions, completions, Anthropic's messages and the Responses API differ in their
 request and reply shapes only. Each begins with `Handling.begin` (the engine, or a 503;
-the model, or a 404; the request's deadline), builds a chat-shaped prompt with
-`chat_prompt` (the tools' count, the grammar of tool calls or structured outputs held to
-the answer after any reasoning, the prompt rendered by the chat template or forwarded by
-the scale-out ingress), and ends with `stream` or `run` (admission, then a stream or the
-whole reply, aborted when the client goes away).
+the model, or a 404; the request's deadline), checks the tools' count, builds a
+chat-shaped prompt from its `Conversation` (server/conversation.py) with `chat_prompt`
+(the grammar of tool calls or structured outputs held to the answer after any reasoning,
+the prompt rendered by the chat template or forwarded by the scale-out ingress), and
+ends with `stream` or `run` (admission, then a stream or the whole reply, aborted when
+the client goes away).
 """
 
 from __future__ import annotations
@@ -33,11 +34,9 @@ if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
-    from server.chat_tools import ChatTools, ToolSyntax
+    from server.conversation import Conversation
 
 T = TypeVar("T")
-# The chat template's inputs: the messages, the `tools` argument, other variables.
-TemplateInputs = tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,10 +69,8 @@ class Handling:
     async def chat_prompt(
         self,
         params: SamplingParams,
-        tools: ChatTools | None,
-        syntax: ToolSyntax,
+        conversation: Conversation,
         reasoning: ReasoningSyntax | None,
-        inputs: TemplateInputs,
         aliases: dict[str, str],
         messages_param: str = "messages",
     ) -> EngineRequest:
@@ -84,18 +81,20 @@ class Handling:
         grammar errors then name `tools` through `aliases`) or a 400 naming
         `messages_param` when the chat template refuses the conversation."""
         spec = answer_only(params.structured_outputs, reasoning)
+        tools = conversation.tools
         if tools is not None and spec is None:
             aliases["structured_outputs"] = "tools"  # errors of the grammar name `tools`
-            spec = tools.structured_outputs(syntax)
-            if tools.forced is not None:
+            spec = tools.structured_outputs()
+            if tools.forced:
                 spec = answer_only(spec, reasoning)
         params = dataclasses.replace(params, structured_outputs=spec)
         rendered = rendered_prompt(self.request)
         if rendered is not None:
             return await self.llm.process_rendered(rendered, params)
-        messages, template_tools, variables = inputs
         try:
-            return await self.llm.process_chat(messages, params, template_tools, variables)
+            return await self.llm.process_chat(
+                conversation.messages, params, conversation.template_tools, conversation.variables
+            )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), messages_param) from exc
 

@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import key_owner, require_api_key
-from server.chat_tools import ChatTools, ToolSyntax, template_inputs
+from server.conversation import render
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
 from server.handling import Handling, json_response
@@ -43,7 +43,7 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.tools import ToolCallStream
+from server.tool_calling import CallStream, OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -69,16 +69,24 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     conversation = earlier + body.input_items()
     chat_body = as_chat_request(body, conversation, first_new=len(earlier))
     handling.check_tool_count(len(body.tools or ()))
-    syntax, tools = state.tool_syntax(), ChatTools.of(chat_body)
-    aliases = {"max_tokens": "max_output_tokens", "structured_outputs": "text.format"}
+    aliases = {
+        "max_tokens": "max_output_tokens",
+        "structured_outputs": "text.format",
+        "messages": "input",
+    }
     with user_errors(_FIELDS, aliases=aliases):
         params = chat_body.sampling_params(
             max_tokens=body.max_output_tokens, logprobs=None, defaults=llm.default_sampling
         )
-        inputs = template_inputs(chat_body, syntax, tools)
+        rendered = render(
+            chat_body.messages,
+            ToolRequest.of(chat_body),
+            chat_body.chat_template_kwargs,
+            state.tool_calling,
+        )
         # No reasoning parser here yet: the reply is all answer (docs/responses.md).
-        prompt = await handling.chat_prompt(params, tools, syntax, None, inputs, aliases, "input")
-    turn = _Turn(state, llm, body, prompt, syntax, tools, handling.deadline, owner, conversation)
+        prompt = await handling.chat_prompt(params, rendered, None, aliases, "input")
+    turn = _Turn(state, llm, body, prompt, rendered.tools, handling.deadline, owner, conversation)
     if body.stream:
         return handling.stream(1, turn.events)
     response = turn.response(await handling.run(1, turn.run))
@@ -123,8 +131,7 @@ class _Turn:
     llm: AsyncLLM
     body: ResponsesRequest
     prompt: EngineRequest
-    syntax: ToolSyntax
-    tools: ChatTools | None
+    tools: OfferedTools | None
     deadline: Deadline | None
     owner: str
     conversation: list[InputItem]
@@ -190,19 +197,14 @@ class _Turn:
         ]
         await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
 
-    def _splitter(self) -> ToolCallStream | None:
+    def _splitter(self) -> CallStream | None:
         """The splitter of the reply's text into content and calls, if tools are on."""
-        if self.tools is None:
-            return None
-        return ToolCallStream(self.syntax.format, self.tools.forced is not None)
+        return None if self.tools is None else self.tools.stream()
 
     def _finish(
-        self, output: OutputItems, splitter: ToolCallStream | None, completion: CompletionOutput
+        self, output: OutputItems, splitter: CallStream | None, completion: CompletionOutput
     ) -> list[Event]:
-        rest, calls = "", []
-        if splitter is not None and self.tools is not None:
-            rest, parsed = splitter.finish()
-            calls = self.tools.as_response(parsed) if parsed else []
+        rest, calls = ("", []) if splitter is None else splitter.finish()
         status = "incomplete" if completion.finish_reason == "length" else "completed"
         return output.finish(rest, calls, status)
 

@@ -1,43 +1,53 @@
-"""What the request handlers of one app share: settings, metrics, the dashboard's history
-and the engine."""
+"""What the request handlers of one app share: settings, metrics, the engine, and the
+tasks that the app's rooms run beside it."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from server.admission import Admission, max_queued
-from server.chat_tools import ToolSyntax
 from server.config import ServeConfig
 from server.errors import OpenAIError
-from server.history import StatsHistory
 from server.metrics import ServerMetrics
 from server.reasoning import ReasoningSyntax
 from server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
+    from engine.request.intake import SpecialTokens
     from engine.snapshot import EngineStats
+    from server.tool_calling import ToolCalling
+
+# The tools room's door (`server.capabilities.tool_calling`): the `tool_call_parser`
+# setting, the chat template and the special tokens in; None where the room is missing.
+ToolRoom = Callable[[str, "str | None", "SpecialTokens"], "ToolCalling | None"]
 
 
 @dataclass(slots=True)
 class ServerState:
     """Invariant: while the engine loads, `llm` and `load_error` are both None; afterwards
-    exactly one of them is set, and it never changes again."""
+    exactly one of them is set, and it never changes again. `tool_room` is called at most
+    once, by the first request that needs tool calling."""
 
     config: ServeConfig
+    tool_room: ToolRoom = field(kw_only=True, repr=False)
     llm: AsyncLLM | None = None
     load_error: BaseException | None = None
     started_at: int = field(default_factory=lambda: int(time.time()))
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
-    history: StatsHistory = field(init=False)
+    # Run by the app's lifespan from start-up to shutdown, cancelled then (a room's own
+    # loops, such as the dashboard's history); registered before the app starts.
+    background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     api_keys: tuple[bytes, ...] = field(init=False, repr=False)
     responses: ResponseStore = field(init=False)
-    _tool_syntax: ToolSyntax | None = field(default=None, init=False, repr=False)
+    _tool_calling: ToolCalling | None = field(default=None, init=False, repr=False)
+    _tool_room_asked: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(
@@ -49,7 +59,6 @@ class ServerState:
             self.engine_waiting,
             self.metrics.requests_rejected.inc,
         )
-        self.history = StatsHistory(self.engine_stats, self.metrics.time_to_first_token)
         self.api_keys = tuple(key.encode() for key in self.config.api_keys())
         self.responses = ResponseStore(self.config.response_store_path())
 
@@ -76,14 +85,16 @@ class ServerState:
             raise OpenAIError(503, "the engine has stopped", type="service_unavailable")
         return self.llm
 
-    def tool_syntax(self) -> ToolSyntax:
-        """How the served model writes tool calls (the `tool_call_parser` setting)."""
+    def tool_calling(self) -> ToolCalling | None:
+        """How the served model writes tool calls (the `tool_call_parser` setting), from
+        the tools room, imported the first time a request needs it; None without it."""
         assert self.llm is not None
-        if self._tool_syntax is None:
-            self._tool_syntax = ToolSyntax.of(
+        if not self._tool_room_asked:
+            self._tool_room_asked = True
+            self._tool_calling = self.tool_room(
                 self.config.tool_call_parser, self.llm.chat_template, self.llm.special_tokens
             )
-        return self._tool_syntax
+        return self._tool_calling
 
     def reasoning_syntax(self) -> ReasoningSyntax | None:
         """How the served model reasons (the `reasoning_parser` setting); None: it does not."""

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from engine.request.intake import ChatTemplateError
 from server.auth import require_api_key
-from server.chat_tools import conversation
+from server.conversation import render
 from server.errors import invalid_request, user_errors
 from server.protocol import (
     DetokenizeRequest,
@@ -33,11 +33,11 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         state.check_model(body.model)
     if body.messages is not None:
         add_generation_prompt = body.add_generation_prompt is not False
+        with user_errors({"messages"}):
+            rendered = render(body.messages, None, body.chat_template_kwargs, state.tool_calling)
         try:
             tokens = await llm.render_chat(
-                conversation(body.messages, state.tool_syntax()),
-                add_generation_prompt,
-                template_kwargs=body.chat_template_kwargs,
+                rendered.messages, add_generation_prompt, template_kwargs=rendered.variables
             )
         except ChatTemplateError as exc:
             raise invalid_request(str(exc), "messages") from exc

@@ -4,9 +4,13 @@ shared by every layer) and per layer (`AttentionFeatures`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from engine.model.step_inputs import StepInputs
 
 
 @dataclass(slots=True)
@@ -53,19 +57,31 @@ class PagedAttentionMetadata:
     _split: DecodePrefillSplit | None = field(default=None, repr=False)
 
     @classmethod
-    def device_only(
+    def of_step(
         cls,
         kv_cache: torch.Tensor,
+        device_tables: torch.Tensor,
         slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
+        rows: torch.Tensor,
         query_start: torch.Tensor,
         context_lens: torch.Tensor,
-        max_query_len: int,
+        host: StepInputs | None = None,
+        max_query_len: int = 0,
     ) -> PagedAttentionMetadata:
-        """Metadata without the `_host` arrays: a CUDA graph's or a compiled forward's."""
+        """The one builder of a step's metadata, for every step path. Each sequence's block
+        table is its row `rows[b]` of `device_tables`. With the step's `host` inputs (an
+        eager step), the tables are cut to the step's width and the `_host` arrays and
+        `max_query_len` come from it; without (a compiled forward, a captured graph:
+        device tensors only), the rows are read whole, by `index_select`, and
+        `max_query_len` is the caller's (0 in a compiled graph: see above)."""
+        if host is None:
+            return cls(
+                kv_cache, slot_mapping, device_tables.index_select(0, rows), query_start,
+                context_lens, None, None, None, max_query_len,
+            )  # fmt: skip
         return cls(
-            kv_cache, slot_mapping, block_tables, query_start, context_lens, None, None, None,
-            max_query_len,
+            kv_cache, slot_mapping, device_tables[rows, : host.width], query_start, context_lens,
+            host.query_start, host.context_lens, host.positions, host.max_query_len,
         )  # fmt: skip
 
     def decode_prefill_split(self) -> DecodePrefillSplit:

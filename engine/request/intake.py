@@ -22,7 +22,7 @@ from scheduler import SchedulingPolicy
 if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-    from engine.sampling.grammar import GrammarCompiler
+    from engine.sampling.logits_constraint import ConstraintCompiler
 
 # One prompt: text, or token ids.
 Prompt = str | list[int]
@@ -109,7 +109,7 @@ class RequestProcessor:
         tokenizer: PreTrainedTokenizerBase,
         vocab_size: int,
         max_model_len: int,
-        grammars: GrammarCompiler | None = None,
+        grammars: ConstraintCompiler | None = None,
         limits: RequestLimits = DEFAULT_LIMITS,
         scheduling_policy: SchedulingPolicy = "fcfs",
     ) -> None:
@@ -219,7 +219,10 @@ class RequestProcessor:
         grammar = None
         if params.structured_outputs is not None:
             if self.grammars is None:
-                raise ValueError("structured_outputs: this processor has no grammar compiler")
+                raise ValueError(
+                    "structured_outputs: this engine has no grammar engine (engine.grammar "
+                    "could not be imported at start-up)"
+                )
             grammar = self.grammars.compile(params.structured_outputs, token_ids)
         return EngineRequest(token_ids, params, max_tokens, prompt, grammar)
 

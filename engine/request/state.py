@@ -11,7 +11,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
 from engine.request.sample import SampleState, StopChecker, ending_token_ids
-from engine.sampling.grammar import GrammarCompiler
+from engine.sampling.logits_constraint import ConstraintCompiler
 from engine.sampling.sampler import SamplingRow, seeded_generator
 from scheduler import Sequence
 
@@ -34,7 +34,7 @@ class RequestState:
         tokenizer: PreTrainedTokenizerBase,
         token_texts: TokenTexts,
         device: torch.device,
-        grammars: GrammarCompiler | None = None,
+        grammars: ConstraintCompiler | None = None,
         prompt_hashes: tuple[int, ...] = (),
     ) -> RequestState:
         """The request's samples, each with its own RNG (if seeded) and grammar matcher

@@ -102,7 +102,7 @@ class StructuredOutputs:
 
     Exactly one of: `json`, a JSON schema (a dict, or its text); `json_object`, any JSON
     object; `regex`; `choice`, one of these strings; `grammar`, a Lark or GBNF grammar.
-    `engine.sampling.grammar` compiles it; the sampler then masks every token that would
+    `engine.grammar.grammar` compiles it; the sampler then masks every token that would
     leave the language, and the sample ends when the language allows nothing more. With
     `reasoning`, the language is that of the answer after a reasoning model's thinking,
     which is left free (see `ReasoningBlock`), as vLLM applies structured outputs to the

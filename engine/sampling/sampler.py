@@ -28,11 +28,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import TokenLogprobs
-from engine.sampling.grammar import mask_logits
 from engine.sampling.params import SamplingParams
 
 if TYPE_CHECKING:
-    from llguidance import LLMatcher
+    from engine.sampling.logits_constraint import ConstraintCompiler, LogitsConstraint
 
 # Top-p looks for a row's nucleus among this many most likely tokens, then among more,
 # before sorting the whole vocabulary (see `_top_p`).
@@ -49,7 +48,8 @@ class SamplingRow:
     `seeded_generator`), else None. `stop_token_ids` are the tokens that would end the
     sequence, masked while it has fewer than `min_tokens` outputs; the sample that owns the
     row decides them (`engine.request.sample.ending_token_ids`). `matcher`, for a request
-    with structured outputs, is the sample's grammar matcher: tokens it forbids are masked.
+    with structured outputs, is the sample's grammar constraint: tokens it forbids are
+    masked.
     """
 
     params: SamplingParams
@@ -57,7 +57,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
     stop_token_ids: Set[int] = field(default_factory=frozenset)
-    matcher: LLMatcher | None = None
+    matcher: LogitsConstraint | None = None
 
 
 @dataclass(slots=True)
@@ -85,10 +85,17 @@ class Sampler:
     """Turns a step's last-position logits into next tokens.
 
     `seed` seeds the generator that unseeded non-greedy rows draw from; None leaves them
-    to torch's global RNG.
+    to torch's global RNG. `constraints` masks the rows that have a grammar `matcher`: the
+    compiler that made their matchers (required when a row has one).
     """
 
-    def __init__(self, seed: int | None = None, device: torch.device | str = "cpu") -> None:
+    def __init__(
+        self,
+        seed: int | None = None,
+        device: torch.device | str = "cpu",
+        constraints: ConstraintCompiler | None = None,
+    ) -> None:
+        self.constraints = constraints
         self.generator: torch.Generator | None = None
         if seed is not None:
             self.generator = torch.Generator(device=device)
@@ -103,8 +110,10 @@ class Sampler:
         processed = apply_penalties(apply_logit_bias(self._mask_min_tokens(raw, rows), rows), rows)
         constrained = [i for i, row in enumerate(rows) if row.matcher is not None]
         if constrained:
+            assert self.constraints is not None, "a row with a grammar needs its compiler"
             processed = processed.clone() if processed is raw else processed
-            mask_logits(processed, constrained, [rows[i].matcher for i in constrained])
+            matchers = [rows[i].matcher for i in constrained]
+            self.constraints.mask_logits(processed, constrained, matchers)  # type: ignore[arg-type]
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
             token_ids = processed.argmax(dim=-1)

@@ -23,15 +23,17 @@ from server.anthropic.protocol import (
     ThinkingOut,
     ToolUseOut,
 )
-from server.chat_tools import ChatTools, ToolSyntax, conversation
+from server.conversation import Conversation, render
 from server.protocol import ChatMessage, FunctionCall, ToolCall
-from server.tools import Function
+from server.tool_calling import Function, OfferedTools, ToolCalling, ToolRequest
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from server.anthropic.protocol import CountTokensRequest
 
 
-def chat_tools(body: MessagesRequest | CountTokensRequest) -> ChatTools | None:
+def tool_request(body: MessagesRequest | CountTokensRequest) -> ToolRequest | None:
     """The request's tools as chat's (None when it offers none, or `tool_choice: none`)."""
     if not body.tools or (body.tool_choice is not None and body.tool_choice.type == "none"):
         return None
@@ -39,28 +41,29 @@ def chat_tools(body: MessagesRequest | CountTokensRequest) -> ChatTools | None:
     choice = body.tool_choice
     parallel = choice is None or not choice.disable_parallel_tool_use
     if choice is None or choice.type == "auto":
-        return ChatTools(functions, None, parallel)
+        return ToolRequest(functions, None, parallel)
     if choice.type == "any":
-        return ChatTools(functions, functions, parallel)
-    return ChatTools(functions, [f for f in functions if f.name == choice.name], parallel)
+        return ToolRequest(functions, functions, parallel)
+    return ToolRequest(functions, [f for f in functions if f.name == choice.name], parallel)
 
 
-def template_inputs(
-    body: MessagesRequest | CountTokensRequest, syntax: ToolSyntax, tools: ChatTools | None
-) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None]:
-    """The messages, the `tools` argument and the other variables the chat template
-    renders for `body`: `thinking` disabled is `enable_thinking: false`, which turns the
-    thinking of templates that read it (Qwen3's) off."""
+def conversation(
+    body: MessagesRequest | CountTokensRequest,
+    tool_calling: Callable[[], ToolCalling | None],
+) -> Conversation:
+    """The conversation the chat template renders for `body` (ValueError naming `tools`
+    or `messages` where it needs tool calling and the server has none): `thinking`
+    disabled is `enable_thinking: false`, which turns the thinking of templates that read
+    it (Qwen3's) off."""
     messages: list[ChatMessage] = []
     system = body.system_text()
     if system is not None:
         messages.append(ChatMessage(role="system", content=system))
     for message in body.messages:
         messages.extend(_chat_messages(message))
-    template_tools = tools.for_template(syntax) if tools is not None else None
     disabled = body.thinking is not None and body.thinking.type == "disabled"
-    variables = {"enable_thinking": False} if disabled else None
-    return conversation(messages, syntax, tools), template_tools, variables
+    variables: dict[str, Any] | None = {"enable_thinking": False} if disabled else None
+    return render(messages, tool_request(body), variables, tool_calling)
 
 
 def _chat_messages(message: Message) -> list[ChatMessage]:
@@ -91,8 +94,7 @@ def _chat_messages(message: Message) -> list[ChatMessage]:
 def reply_blocks(
     reasoning: str | None,
     answer: str,
-    tools: ChatTools | None,
-    syntax: ToolSyntax,
+    tools: OfferedTools | None,
     display: ThinkingDisplay,
 ) -> list[TextOut | ThinkingOut | ToolUseOut]:
     """A reply's content: its thinking as `display` says, its text, and its calls read
@@ -103,7 +105,7 @@ def reply_blocks(
     content: str | None = answer
     uses: list[ToolUseOut] = []
     if tools is not None:
-        content, calls = tools.response_calls(answer, syntax)
+        content, calls = tools.response_calls(answer)
         uses = [tool_use(call.function.name, call.function.arguments) for call in calls]
     if content:
         blocks.append(TextOut(text=content))

@@ -20,7 +20,7 @@ from engine.request.intake import ChatTemplateError
 from engine.sampling.defaults import with_defaults
 from engine.sampling.params import SamplingParams, StructuredOutputs
 from server.admission import Deadline
-from server.anthropic.conversation import chat_tools, reply_blocks, template_inputs, tool_use
+from server.anthropic.conversation import conversation, reply_blocks, tool_use
 from server.anthropic.errors import AnthropicRoute, error_body
 from server.anthropic.events import PING, ContentBlocks, event
 from server.anthropic.protocol import (
@@ -32,13 +32,12 @@ from server.anthropic.protocol import (
     Usage,
 )
 from server.auth import require_api_key
-from server.chat_tools import ChatTools, ToolSyntax
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
 from server.generation import final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
 from server.reasoning import ReasoningSyntax, split_reasoning
 from server.state import ServerState
-from server.tools import ToolCallStream
+from server.tool_calling import OfferedTools
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -54,13 +53,13 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     handling = Handling.begin(request, body.model)
     state, llm = handling.state, handling.llm
     handling.check_tool_count(len(body.tools or ()))
-    syntax, tools, reasoning = state.tool_syntax(), chat_tools(body), state.reasoning_syntax()
+    reasoning = state.reasoning_syntax()
     aliases = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
     with user_errors(_FIELDS, aliases=aliases):
         params = _sampling_params(body, llm.default_sampling)
-        inputs = template_inputs(body, syntax, tools)
-        prompt = await handling.chat_prompt(params, tools, syntax, reasoning, inputs, aliases)
-    reply = _Reply(state, llm, body, prompt, syntax, tools, reasoning, handling.deadline)
+        rendered = conversation(body, state.tool_calling)
+        prompt = await handling.chat_prompt(params, rendered, reasoning, aliases)
+    reply = _Reply(state, llm, body, prompt, rendered.tools, reasoning, handling.deadline)
     if body.stream:
         return handling.stream(1, reply.events)
     return json_response(reply.response(await handling.run(1, reply.run)))
@@ -71,11 +70,11 @@ async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt tokens /v1/messages would take for this conversation and tools."""
     handling = Handling.begin(request, body.model)
     handling.check_tool_count(len(body.tools or ()))
-    syntax = handling.state.tool_syntax()
-    messages, template_tools, variables = template_inputs(body, syntax, chat_tools(body))
+    with user_errors(_FIELDS):
+        rendered = conversation(body, handling.state.tool_calling)
     try:
         tokens = await handling.llm.render_chat(
-            messages, tools=template_tools, template_kwargs=variables
+            rendered.messages, tools=rendered.template_tools, template_kwargs=rendered.variables
         )
     except ChatTemplateError as exc:
         raise invalid_request(str(exc), "messages") from exc
@@ -109,8 +108,7 @@ class _Reply:
     llm: AsyncLLM
     body: MessagesRequest
     prompt: EngineRequest
-    syntax: ToolSyntax
-    tools: ChatTools | None
+    tools: OfferedTools | None
     reasoning: ReasoningSyntax | None
     deadline: Deadline | None
     # Anthropic's shape of id (`msg_...`); fresh, as engine request ids must be.
@@ -126,9 +124,7 @@ class _Reply:
         [completion] = final.outputs
         ids = self.prompt.prompt_token_ids
         reasoning, answer = split_reasoning(self.reasoning, ids, completion.text)
-        content = reply_blocks(
-            reasoning, answer, self.tools, self.syntax, self.body.thinking_display()
-        )
+        content = reply_blocks(reasoning, answer, self.tools, self.body.thinking_display())
         calls = any(isinstance(block, ToolUseOut) for block in content)
         stop_reason, stop_sequence = _stop(completion, calls)
         return MessageResponse(
@@ -186,10 +182,7 @@ class _Pieces:
         self._display = reply.body.thinking_display()
         ids = reply.prompt.prompt_token_ids
         self._thoughts = reply.reasoning.stream(ids) if reply.reasoning is not None else None
-        self._tools = reply.tools
-        self._calls = None
-        if reply.tools is not None:
-            self._calls = ToolCallStream(reply.syntax.format, reply.tools.forced is not None)
+        self._calls = None if reply.tools is None else reply.tools.stream()
 
     def feed(self, delta: str) -> list[str]:
         reasoning, answer = ("", delta) if self._thoughts is None else self._thoughts.feed(delta)
@@ -204,11 +197,9 @@ class _Pieces:
         events = self._thinking(reasoning)
         if self._calls is None:
             return [*events, *self._blocks.close()], False
-        assert self._tools is not None
         text = self._calls.feed(answer)
-        rest, parsed = self._calls.finish()
+        rest, calls = self._calls.finish()
         events += self._blocks.text(text + rest)
-        calls = self._tools.as_response(parsed) if parsed else []
         for call in calls:
             events += self._blocks.tool_use(tool_use(call.function.name, call.function.arguments))
         return [*events, *self._blocks.close()], bool(calls)

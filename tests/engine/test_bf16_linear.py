@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.bf16_linear import Bf16Linear, runs_kernel
+from engine.linears.bf16_linear import Bf16Linear, runs_kernel
+from engine.linears.packed_linear import PackedLinear, can_pack, pack_linear_layers
 from engine.model.kernels import bf16_linear
-from engine.model.packed_linear import PackedLinear, can_pack, pack_linear_layers
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(

@@ -21,10 +21,10 @@ import torch
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
 from engine import LLM, SamplingParams
+from engine.compiled.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
 from engine.config import ConfigError, cache_root
+from engine.linears.bf16_linear import Bf16Linear
 from engine.model.attention_backend import unavailable_reason
-from engine.model.bf16_linear import Bf16Linear
-from engine.model.compiled_forward import CACHE_DIR_VARIABLE, inductor_cache_dir
 from engine.model.kernels import bf16_linear
 
 CPU = torch.device("cpu")
@@ -61,7 +61,7 @@ def compiled_llm(tiny_model_paths: dict[str, Path]) -> LLM:
 
 def test_greedy_tokens_equal_eager_modes(compiled_llm: LLM, tiny_model_paths) -> None:
     got = outputs(compiled_llm, PROMPTS)
-    assert compiled_llm.engine.runner.compiled is not None
+    assert compiled_llm.engine.runner.executor.name == "compiled"
     eager = LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="4MiB")
     expected = outputs(eager, PROMPTS)
     assert [tokens for tokens, _ in got] == [tokens for tokens, _ in expected]
@@ -102,7 +102,7 @@ def test_bf16_linears_run_compiled_on_the_row_invariant_kernel(tiny_model_paths)
         enforce_eager=False,
         kv_cache_memory="4MiB",
     )
-    assert llm.engine.runner.compiled is not None
+    assert llm.engine.runner.executor.name == "compiled"
     assert any(isinstance(m, Bf16Linear) for m in llm.engine.model.modules())
     alone = [outputs(llm, [prompt])[0] for prompt in PROMPTS]
     assert outputs(llm, PROMPTS) == alone
@@ -147,7 +147,7 @@ import json, sys
 from engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], dtype="float32", enforce_eager=False, kv_cache_memory="4MiB")
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
-print(json.dumps({"loaded": llm.engine.runner.compiled.loaded,
+print(json.dumps({"loaded": llm.engine.runner.executor.loaded,
                   "tokens": out[0].outputs[0].token_ids}))
 """
 
@@ -196,7 +196,7 @@ def test_unset_enforce_eager_serves_eager_with_one_warning_where_it_cannot_compi
     monkeypatch.delenv("PAGEDSERVE_ENFORCE_EAGER", raising=False)
     with caplog.at_level("WARNING", logger="engine.llm_engine"):
         llm = LLM(str(tiny_model_paths["llama"]), attention_backend="torch", kv_cache_memory="4MiB")
-    assert llm.engine.config.enforce_eager is None and llm.engine.runner.compiled is None
+    assert llm.engine.config.enforce_eager is None and llm.engine.runner.executor.name == "eager"
     assert [r.getMessage() for r in caplog.records] == [
         "serving eager, not compiled: attention_backend is 'torch'"
     ]
@@ -208,7 +208,7 @@ import sys
 from engine import LLM, SamplingParams
 llm = LLM(sys.argv[1], kv_cache_memory="4MiB")
 out = llm.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=4))
-print("compiled" if llm.engine.runner.compiled else "eager", len(out[0].outputs[0].token_ids))
+print(llm.engine.runner.executor.name, len(out[0].outputs[0].token_ids))
 """
 
 

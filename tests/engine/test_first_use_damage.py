@@ -24,7 +24,7 @@ from gguf import GGUFWriter
 from bench.tables import free_port
 from engine.first_use import build_once
 from engine.first_use_manifest import MANIFEST
-from engine.model import quantized_store
+from engine.linears import quantized_store
 from engine.model.loader import SOURCE_FILE, convert_gguf, load_model
 from tests.tiny_models import build_tokenizer
 

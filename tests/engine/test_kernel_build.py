@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from torch.utils import cpp_extension
 
-from engine.model.kernels import group_linear, paged_attention
+from engine.model.kernels import bf16_linear, group_linear, paged_attention
 from engine.model.kernels.cpp_extension import CFLAGS, CppExtension
 
-EXTENSIONS = [paged_attention.EXTENSION, group_linear.EXTENSION]
+EXTENSIONS = [paged_attention.EXTENSION, group_linear.EXTENSION, bf16_linear.EXTENSION]
 
 
 def cxx17_check(source: Path, module_name: str) -> subprocess.Popen[str]:
@@ -73,6 +73,25 @@ def test_the_check_rejects_cxx20(cxx20: str, tmp_path: Path) -> None:
     source = tmp_path / "cxx20.cpp"
     source.write_text(cxx20 + "\n")
     assert check_as_cxx17(source, "cxx20")[0] != 0
+
+
+def test_a_header_change_rebuilds_the_kernels_that_include_it(tmp_path: Path) -> None:
+    """The build folder's tag covers the headers a source includes with quotes, found
+    next to the file that includes them, transitively."""
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "kernel.cpp").write_text('#include "outer.h"\n#include <vector>\n')
+    (tmp_path / "outer.h").write_text('#pragma once\n#include "inner/deep.h"\n')
+    (tmp_path / "inner" / "deep.h").write_text("constexpr int kAnswer = 42;\n")
+    extension = CppExtension("kernel", tmp_path / "kernel.cpp")
+    assert [p.name for p in extension.sources()] == ["kernel.cpp", "outer.h", "deep.h"]
+    before = extension.build_directory()
+    (tmp_path / "inner" / "deep.h").write_text("constexpr int kAnswer = 43;\n")
+    assert extension.build_directory() != before
+
+
+def test_the_linears_share_the_amx_header() -> None:
+    for extension in (group_linear.EXTENSION, bf16_linear.EXTENSION):
+        assert [p.name for p in extension.sources()][1:] == ["amx_tiles.h"]
 
 
 FALLBACK = """

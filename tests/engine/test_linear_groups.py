@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.bf16_linear import Bf16Linear
+from engine.linears.bf16_linear import Bf16Linear
+from engine.linears.linear_groups import GroupSharedInputs
+from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
 from engine.model.kernels import bf16_linear
-from engine.model.linear_groups import GroupSharedInputs
-from engine.model.quantized_linear import QuantizedLinear, unavailable_reason
 
 CPU = torch.device("cpu")
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if unavailable_reason(CPU, d, "int4") is None]

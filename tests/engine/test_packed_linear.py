@@ -15,15 +15,15 @@ from transformers import AutoModelForCausalLM
 
 import engine.llm_engine
 from engine import LLM, SamplingParams
-from engine.model.bf16_linear import Bf16Linear
-from engine.model.kernels import bf16_linear as bf16_kernel
-from engine.model.packed_linear import (
+from engine.linears.bf16_linear import Bf16Linear
+from engine.linears.packed_linear import (
     MIN_ROWS,
     PackedLinear,
     can_pack,
     pack_linear_layers,
     padded_rows,
 )
+from engine.model.kernels import bf16_linear as bf16_kernel
 
 CPU = torch.device("cpu")
 requires_bf16_packing = pytest.mark.skipif(

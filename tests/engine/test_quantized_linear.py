@@ -14,10 +14,8 @@ from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig, load_config
-from engine.model import loader
-from engine.model.kernels import group_linear
-from engine.model.packed_linear import can_pack
-from engine.model.quantized_linear import (
+from engine.linears.packed_linear import can_pack
+from engine.linears.quantized_linear import (
     HEAD_BITS,
     KERNEL_ROWS,
     MODES,
@@ -26,6 +24,8 @@ from engine.model.quantized_linear import (
     quantize_linear_layers,
     unavailable_reason,
 )
+from engine.model import loader
+from engine.model.kernels import group_linear
 from pagedserve.cli import build_parser
 from server.config import resolve_serve_config
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from engine.sampling.grammar import GrammarCompiler
+from engine.grammar.grammar import GrammarCompiler
 from engine.sampling.params import ReasoningBlock, StructuredOutputs
 from tests.tiny_models import build_tokenizer
 

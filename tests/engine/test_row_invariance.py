@@ -5,7 +5,7 @@ Hooks record the output of every module (embedding, each projection, norm, rotar
 embedding, attention, MLP, decoder layer, LM head) while the engine's model runs three
 prompts, one of a single token, first each alone and then packed into one step. A
 prompt of one token alone is a one-row step, the case the CPU's linears once computed
-differently (see `engine.model.packed_linear`). The first module whose rows differ is named.
+differently (see `engine.linears.packed_linear`). The first module whose rows differ is named.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
-from engine.sampling.grammar import apply_token_bitmask
+from engine.grammar.grammar import apply_token_bitmask
 from engine.sampling.params import StructuredOutputs
 from engine.sampling.sampler import Sampler, SamplingRow
 from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES
@@ -123,7 +123,7 @@ def test_only_constrained_rows_are_masked(llm: LLM) -> None:
         SamplingRow(greedy, [1], []),
     ]
     original = logits.clone()
-    out = Sampler().sample(logits, rows)
+    out = Sampler(constraints=grammars).sample(logits, rows)
     tokenizer = llm.get_tokenizer()
     assert out.token_ids[0] == int(logits[0].argmax()) and out.token_ids[2] == int(
         logits[2].argmax()

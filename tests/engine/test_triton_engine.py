@@ -1,7 +1,7 @@
 """The engine on the Triton backend, eager and with bucketed decode graphs: greedy output
 equals transformers' `generate()`, padding rows touch no KV slot, and settings that cannot
 run are refused. Without CUDA, Triton runs through its interpreter and the decode graphs
-run their static, padded forward without capture (see `engine.model.decode_graphs`)."""
+run their static, padded forward without capture (see `engine.compiled.decode_graphs`)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
+from engine.compiled.decode_graphs import decode_buckets
 from engine.config import ConfigError
 from engine.model.attention_backend import choose_backend
-from engine.model.decode_graphs import decode_buckets
 from tests.engine.test_greedy_equivalence import (
     MAX_TOKENS,
     TINY_BLOCK_BYTES,
@@ -56,11 +56,12 @@ def test_greedy_output_matches_generate(tiny_model_paths, references, setting):
         attention_backend="triton",
         **settings,
     )
-    graphs = llm.engine.runner.graphs
+    executor = llm.engine.runner.executor
+    graphs = executor if executor.name == "graphs" else None
     runs: list[int] = []
     if graphs is not None:
-        run = graphs.run
-        graphs.run = lambda step, inputs: runs.append(step.num_seqs) or run(step, inputs)
+        replay = graphs.replay
+        graphs.replay = lambda step, inputs: runs.append(step.num_seqs) or replay(step, inputs)
     prompts, expected = references
     assert engine_greedy(llm, prompts, MAX_TOKENS) == expected
     stats = llm.engine.stats()

@@ -20,7 +20,7 @@ from scale_out.metrics import merge_replica_metrics
 from scale_out.policy import preferred_replicas
 from scale_out.prefix_index import PrefixIndex
 from scale_out.prompt_hashes import PromptHasher
-from server.chat_tools import ToolSyntax
+from server.capabilities import tool_calling
 from tests.server.test_reasoning import QWEN3_TEMPLATE
 
 BLOCK = 4
@@ -90,7 +90,7 @@ def test_a_new_prefix_goes_to_the_least_loaded_then_the_emptiest() -> None:
 def hasher(tiny_model_paths: dict[str, Path]) -> PromptHasher:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_paths["llama"])
     processor = RequestProcessor(tokenizer, len(tokenizer), 512)
-    return PromptHasher(processor, ToolSyntax.of("auto", tokenizer.chat_template), BLOCK)
+    return PromptHasher(processor, lambda: tool_calling("auto", tokenizer.chat_template), BLOCK)
 
 
 def hashes(hasher: PromptHasher, path: str, body: bytes) -> tuple[int, ...]:
@@ -134,7 +134,7 @@ def test_a_chats_template_variables_render_at_the_ingress(
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_paths["llama"])
     tokenizer.chat_template = QWEN3_TEMPLATE  # it reads `enable_thinking`
     processor = RequestProcessor(tokenizer, len(tokenizer), 512)
-    hasher = PromptHasher(processor, ToolSyntax.of("auto", tokenizer.chat_template), BLOCK)
+    hasher = PromptHasher(processor, lambda: tool_calling("auto", tokenizer.chat_template), BLOCK)
     messages = [{"role": "user", "content": "Hi"}]
     off = {"enable_thinking": False}
     body = {"model": "m", "messages": messages, "chat_template_kwargs": off}

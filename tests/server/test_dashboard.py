@@ -25,7 +25,7 @@ from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.snapshot import EngineStats
-from server.history import StatsHistory
+from server.dashboard.history import StatsHistory
 from tests.server.conftest import live_server, tiny_config
 from tests.server.test_vllm_metrics import scrape
 

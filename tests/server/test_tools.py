@@ -18,16 +18,16 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
-from server.chat_tools import ChatTools, ToolSyntax, conversation
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.tools import (
-    Function,
+from server.tool_calling import Function, ToolRequest
+from server.tools.call_formats import (
     HermesFormat,
     Llama3JsonFormat,
     ParsedToolCall,
     ToolCallStream,
     choose_format,
 )
+from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
 
 WEATHER = Function(
@@ -163,20 +163,21 @@ def test_a_template_without_tools_gets_them_in_text() -> None:
             ],
         }
     )
-    tools = ChatTools.of(body)
-    assert tools is not None and tools.forced is None
-    plain = ToolSyntax(HERMES, template_takes_tools=False)
-    rendered = conversation(body.messages, plain, tools)
+    request = ToolRequest.of(body)
+    assert request is not None and request.forced is None
+    plain = ToolSyntax(HERMES, template_takes_tools=False).offer(request)
+    rendered = plain.conversation(body.messages)
     assert rendered[0]["role"] == "system" and "get_weather" in rendered[0]["content"]
     assert "<tool_call>" in rendered[2]["content"] and '"Oslo"' in rendered[2]["content"]
     assert rendered[3] == {"role": "tool", "content": "<tool_response>\n-3C\n</tool_response>"}
-    native = conversation(body.messages, ToolSyntax(HERMES, template_takes_tools=True), tools)
+    native_tools = ToolSyntax(HERMES, template_takes_tools=True).offer(request)
+    native = native_tools.conversation(body.messages)
     assert len(native) == 3 and native[1]["tool_calls"][0]["function"]["arguments"] == {
         "city": "Oslo"
     }
     assert native[2]["tool_call_id"] == "call_1"
-    assert tools.for_template(plain) is None
-    assert tools.for_template(ToolSyntax(HERMES, True))[0]["function"]["name"] == "get_weather"
+    assert plain.template_tools() is None
+    assert native_tools.template_tools()[0]["function"]["name"] == "get_weather"
 
 
 def test_tool_messages_are_checked() -> None:

@@ -26,9 +26,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.request.intake import SpecialTokens
 from engine.sampling.params import StructuredOutputs
-from server.chat_tools import ChatTools, ToolSyntax
 from server.protocol import ChatCompletionRequest
-from server.tools import HermesFormat, Llama3JsonFormat
+from server.tool_calling import ToolRequest
+from server.tools.call_formats import HermesFormat, Llama3JsonFormat
+from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
 from tests.server.test_tools import (
     A_MOVE,
@@ -119,10 +120,10 @@ def test_auto_is_the_grammar_of_a_chat_request_with_tools() -> None:
     body = ChatCompletionRequest.model_validate(
         {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": TOOLS}
     )
-    tools = ChatTools.of(body)
-    assert tools is not None and tools.forced is None and tools.parallel
-    spec = tools.structured_outputs(ToolSyntax(HERMES, template_takes_tools=False))
-    assert spec.grammar == HERMES.auto_grammar(tools.functions, True)
+    request = ToolRequest.of(body)
+    assert request is not None and request.forced is None and request.parallel
+    spec = ToolSyntax(HERMES, template_takes_tools=False).offer(request).structured_outputs()
+    assert spec.grammar == HERMES.auto_grammar(request.functions, True)
 
 
 OPENER, CLOSER, THINK, THOUGHT = "<tool_call>", "</tool_call>", "<think>", "</think>"

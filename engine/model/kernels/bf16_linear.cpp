@@ -67,8 +67,7 @@
 #include <immintrin.h>
 #define PAGEDSERVE_BF16 1
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define PAGEDSERVE_AMX 1
 #endif
 #endif
@@ -177,14 +176,8 @@ void dot_tiles(const uint16_t* x, int64_t m, int64_t k, const Part& part, int64_
 
 #ifdef PAGEDSERVE_AMX
 
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "the LDTILECFG operand is 64 bytes");
+using pagedserve_amx::amx_permitted;
+using pagedserve_amx::TileConfig;
 
 // Every tile 16 rows of 64 bytes: tmm0 A (16 rows x 32 inputs), tmm1-3 B (16 input pairs x
 // 16 outputs), tmm4-7 C (16 rows x 16 fp32 outputs).
@@ -196,16 +189,6 @@ void configure_tiles() {
     config.colsb[i] = 64;
   }
   _tile_loadconfig(&config);
-}
-
-// Whether Linux lets this process use the AMX tile data (asked once per process).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr int kXtiledata = 18;         // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return permitted;
 }
 
 // 16 rows of `a` (row stride `a_stride` elements, K a multiple of 32) against tiles

@@ -3,10 +3,12 @@
 A `CppExtension` compiles one `.cpp` file with torch's JIT extension builder (ninja and the
 system C++ compiler) into `$PAGEDSERVE_CACHE/kernels/<name>-<tag>`. The tag hashes the
 torch and Python versions and the CPU's feature flags, because the library is linked
-against torch's ABI and built with `-march=native`, and the source and flags, so that
+against torch's ABI and built with `-march=native`, and the source, the headers it
+includes with quotes (`#include "amx_tiles.h"`, found next to the file that includes
+them) and the flags, so that a header's change rebuilds every kernel that includes it and
 checkouts of different versions keep a library each. A first build takes 30 to 50 s on a
 2-core CPU; later processes load the library directly, without compiler or ninja, when
-the folder's stamp shows it was built from this very source and these flags: a container
+the folder's stamp shows it was built from this very source, headers and flags: a container
 image can carry libraries built in its builder stage. A failed build is logged once and
 reported as `KernelUnavailableError`, so callers keep their torch path.
 
@@ -24,6 +26,7 @@ import hashlib
 import importlib.util
 import logging
 import platform
+import re
 import shutil
 import sys
 import threading
@@ -37,12 +40,14 @@ from engine.first_use import build_once
 
 logger = logging.getLogger(__name__)
 
-# Written next to the library after a build: the digest of the source and flags it holds.
+# Written next to the library after a build: the digest of the sources and flags it holds.
 STAMP_NAME = "source.sha256"
 # -Wno-psabi: without AVX-512, GCC warns that 64-byte vectors change the calling convention;
 # they never cross a function boundary outside one source file.
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-Wall", "-Wno-psabi")
 LDFLAGS = ("-fopenmp",)
+# A project header: `#include "name.h"` (system headers use <...>).
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 
 
 class KernelUnavailableError(RuntimeError):
@@ -150,9 +155,25 @@ class CppExtension:
         logger.info("loaded the C++ %s kernel from %s", self.name, library)
         return module
 
+    def sources(self) -> list[Path]:
+        """The source, then every header it includes with quotes, transitively, each once
+        in the order first met; a header is looked for next to the file that includes it."""
+        found, pending = [self.source], [self.source]
+        while pending:
+            including = pending.pop(0)
+            for name in _QUOTED_INCLUDE.findall(including.read_text()):
+                header = (including.parent / name).resolve()
+                if header not in found:
+                    found.append(header)
+                    pending.append(header)
+        return found
+
     def _source_digest(self) -> str:
-        flags = " ".join(CFLAGS + LDFLAGS).encode()
-        return hashlib.sha256(self.source.read_bytes() + b"\0" + flags).hexdigest()
+        digest = hashlib.sha256()
+        for path in self.sources():
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+        digest.update(" ".join(CFLAGS + LDFLAGS).encode())
+        return digest.hexdigest()
 
 
 def _check_toolchain() -> None:

@@ -81,8 +81,7 @@
 #include <immintrin.h>
 #define PAGEDSERVE_VNNI 1
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define PAGEDSERVE_AMX 1
 #endif
 #endif
@@ -353,14 +352,8 @@ constexpr int64_t kAmxRows = 16;
 constexpr int64_t kAmxChunkRows = 128;  // rows per pass over a task's tiles
 constexpr int64_t kGroupBytes = kGroup * kTile;  // one group's B: 8 rows x 64 bytes
 
-struct TileConfig {
-  uint8_t palette;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-static_assert(sizeof(TileConfig) == 64, "the LDTILECFG operand is 64 bytes");
+using pagedserve_amx::amx_permitted;
+using pagedserve_amx::TileConfig;
 
 void configure_tiles() {
   alignas(64) TileConfig config{};
@@ -371,16 +364,6 @@ void configure_tiles() {
     config.colsb[i] = a ? kGroup : 64;
   }
   _tile_loadconfig(&config);
-}
-
-// Whether Linux lets this process use the AMX tile data (asked once per process).
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr int kReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
-    constexpr int kXtiledata = 18;         // XFEATURE_XTILEDATA
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXtiledata) == 0;
-  }();
-  return permitted;
 }
 
 // A 4-bit tile's codes as 8-bit ones in `b` ([K / 32][8][64]): each packed vector's low

@@ -1,5 +1,6 @@
 """The dashboard's time series: the engine's rates and levels once a second over the last
-five minutes, in a ring buffer that a background task of the app fills.
+five minutes, in a ring buffer that a task beside the app fills (`install` registers it in the
+server state's `background`).
 
 Every sample is a difference of the counters /metrics exports (the engine's `stats()` and
 the server's TTFT histogram), read the way a scrape reads them: on the event loop, each

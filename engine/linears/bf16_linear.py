@@ -38,8 +38,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from engine.linears.opaque_linear import OpaqueLinear, layer
 from engine.model.kernels import bf16_linear
-from engine.model.opaque_linear import OpaqueLinear, layer
 
 
 class Bf16Linear(OpaqueLinear):

@@ -40,8 +40,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.bf16_linear import Bf16Linear, runs_kernel
-from engine.model.opaque_linear import OpaqueLinear
+from engine.linears.bf16_linear import Bf16Linear, runs_kernel
+from engine.linears.opaque_linear import OpaqueLinear
 
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
 # path, for one, needs AVX512-FP16 or AVX-NE-CONVERT and refuses to reorder without).

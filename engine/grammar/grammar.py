@@ -35,7 +35,9 @@ _JSON_OPTIONS = {"whitespace_flexible": False}
 
 
 class GrammarCompiler:
-    """Compiles `StructuredOutputs` into llguidance grammars for one model.
+    """Compiles `StructuredOutputs` into llguidance grammars for one model: the
+    `ConstraintCompiler` of `engine.sampling.logits_constraint`, whose constraints are
+    llguidance's matchers themselves.
 
     Thread-safe. llguidance's view of the tokenizer is built once, when the compiler is
     made (0.3 s for SmolLM2's 49,152 tokens), and shared by every grammar: built on the
@@ -71,6 +73,15 @@ class GrammarCompiler:
     def matcher(self, grammar: str) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `grammar` (from `compile`)."""
         return llguidance.LLMatcher(self.ll_tokenizer, grammar)
+
+    def mask_logits(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[int],
+        matchers: Sequence[llguidance.LLMatcher],
+    ) -> None:
+        """See `mask_logits`."""
+        mask_logits(logits, rows, matchers)
 
 
 def lark_grammar(text: str) -> str:

@@ -66,14 +66,15 @@ import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import PreTrainedModel
 
+from engine.compiled.decode_graphs import PADDING_ROW
 from engine.config import ConfigError, cache_root
 from engine.first_use import build_once
+from engine.linears.linear_groups import GroupSharedInputs
+from engine.linears.opaque_linear import OpaqueLinear
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.decode_graphs import PADDING_ROW
 from engine.model.kernels.cpp_extension import cpu_flags
-from engine.model.linear_groups import GroupSharedInputs
 from engine.model.model_forward import model_logits
-from engine.model.opaque_linear import OpaqueLinear
+from engine.model.step_executor import EagerSteps
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -119,25 +120,30 @@ def pad_step(step: StepInputs) -> StepInputs:
 
 
 class CompiledForward:
-    """`(input_ids [T], positions [T], slots [T], rows [B], query_start [B + 1],
-    context_lens [B], logits_index [S]) -> logits [S, vocab]` through one compiled graph;
-    inputs come from `pad_step`. Block tables are read whole (every column) from
-    `device_tables` by row, so their width is not a dimension of the graph. Call
-    `warm_up` (which compiles or loads the graph) before the first step."""
+    """A `StepExecutor` for every step: `(input_ids [T], positions [T], slots [T], rows
+    [B], query_start [B + 1], context_lens [B], logits_index [S]) -> logits [S, vocab]`
+    through one compiled graph, over `pad_step`'s inputs. Block tables are read whole
+    (every column) from the eager path's device tables by row, so their width is not a
+    dimension of the graph. Call `warm_up` (which compiles or loads the graph) before the
+    first step."""
 
-    def __init__(
-        self, model: PreTrainedModel, kv_cache: torch.Tensor, device_tables: torch.Tensor
-    ) -> None:
+    name = "compiled"
+
+    def __init__(self, eager: EagerSteps) -> None:
         inductor_cache_dir()
-        self._model = model
-        self._kv_cache = kv_cache
-        self._tables = device_tables
+        self._model = eager.model
+        self._kv_cache = eager.kv_cache
+        self._tables = eager.device_tables
         self._compiled: Any = None
         # Whether `warm_up` loaded a saved graph (True) or compiled one (False).
         self.loaded = False
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        return self._compiled(self._model, *inputs, self._kv_cache, self._tables)
+    def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]:
+        return pad_step(step).arrays()
+
+    def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
+        logits = self._compiled(self._model, *inputs, self._kv_cache, self._tables)
+        return logits[: len(step.logits_index)]
 
     def warm_up(self) -> float:
         """Load the saved graph, or compile and save it, then run one step of padding
@@ -168,7 +174,6 @@ class CompiledForward:
 
     def key(self) -> str:
         """The hash of everything the compiled graph depends on (the module's docstring)."""
-        sources = Path(__file__).parent
         digest = hashlib.sha256()
         for part in (
             FORMAT, torch.__version__, transformers.__version__, sys.version, cpu_flags(),
@@ -178,7 +183,7 @@ class CompiledForward:
             str(_handles(self._model)),
         ):  # fmt: skip
             digest.update(part.encode() + b"\0")
-        for source in sorted([*sources.rglob("*.py"), *sources.rglob("*.cpp")]):
+        for source in _sources():
             digest.update(source.read_bytes() + b"\0")
         return digest.hexdigest()[:16]
 
@@ -251,11 +256,23 @@ def _step(
 ) -> torch.Tensor:
     """The compiled function: a free function of its inputs, the model among them, so
     that a saved graph holds no reference to this process's objects."""
-    tables = device_tables.index_select(0, rows)
-    metadata = PagedAttentionMetadata.device_only(
-        kv_cache, slots, tables, query_start, context_lens, max_query_len=0
+    metadata = PagedAttentionMetadata.of_step(
+        kv_cache, device_tables, slots, rows, query_start, context_lens
     )
     return model_logits(model, input_ids[None], positions[None], logits_index, metadata)
+
+
+def _sources() -> list[Path]:
+    """The sources a graph's code comes from: the model's (attention, kernels), the
+    linears' and this folder's."""
+    engine = Path(__file__).parents[1]
+    folders = (engine / "model", engine / "linears", engine / "compiled")
+    return sorted(
+        path
+        for folder in folders
+        for path in folder.rglob("*")
+        if path.suffix in (".py", ".cpp", ".h")
+    )
 
 
 def _handles(model: PreTrainedModel) -> list[int]:

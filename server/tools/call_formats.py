@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json")
+from server.tool_calling import Function
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,21 +32,6 @@ class ParsedToolCall:
 
     name: str
     arguments: str
-
-
-@dataclass(frozen=True, slots=True)
-class Function:
-    """A tool the request offers: `parameters` is its arguments' JSON schema."""
-
-    name: str
-    description: str | None
-    parameters: dict[str, Any]
-
-    def as_openai(self) -> dict[str, Any]:
-        spec: dict[str, Any] = {"name": self.name, "parameters": self.parameters}
-        if self.description:
-            spec["description"] = self.description
-        return {"type": "function", "function": spec}
 
 
 class ToolCallFormat(ABC):
@@ -333,7 +318,7 @@ def _arguments_schema(parameters: dict[str, Any]) -> dict[str, Any]:
     return schema
 
 
-# No optional whitespace, as in structured outputs (engine/sampling/grammar.py): a small
+# No optional whitespace, as in structured outputs (engine/grammar/grammar.py): a small
 # model free to add whitespace inside a call can spend its whole budget on newlines.
 _ARGUMENTS_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 

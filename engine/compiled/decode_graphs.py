@@ -1,4 +1,5 @@
-"""Decode steps over static, bucket-padded inputs, replayed from CUDA graphs.
+"""Decode steps over static, bucket-padded inputs, replayed from CUDA graphs; every other
+step runs eagerly.
 
 A decode step of B sequences runs as the smallest bucket >= B: its inputs are copied into
 the bucket's static buffer, padded with rows that write no KV slot and read one token of
@@ -19,16 +20,14 @@ CUDA uses this module (unset, the default, stays eager there).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
 from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.model_forward import model_logits
+from engine.model.step_executor import EagerSteps
 from engine.model.step_inputs import StepInputs
 
-# (input ids [1, T], positions [1, T], logits index [S], metadata) -> logits [S, vocab]
-Forward = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, PagedAttentionMetadata], torch.Tensor]
 # Per row of a bucket's static buffer: input id, position, slot, context length, table row.
 FIELDS = 5
 # A padding row: token 0 at position 0, no KV slot written, a context of one token read
@@ -43,20 +42,18 @@ def decode_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """One static buffer (and, on CUDA, one captured graph) per decode bucket."""
+    """A `StepExecutor`: one static buffer (and, on CUDA, one captured graph) per decode
+    bucket; the steps that do not `fit` run through `eager`."""
 
-    def __init__(
-        self,
-        forward: Forward,
-        kv_cache: torch.Tensor,
-        device_tables: torch.Tensor,
-        max_num_seqs: int,
-    ) -> None:
+    name = "graphs"
+
+    def __init__(self, eager: EagerSteps, max_num_seqs: int) -> None:
         self.buckets = decode_buckets(max_num_seqs)
-        self._forward = forward
-        self._kv_cache = kv_cache
-        self._tables = device_tables
-        device = kv_cache.device
+        self._eager = eager
+        self._model = eager.model
+        self._kv_cache = eager.kv_cache
+        self._tables = eager.device_tables
+        device = eager.kv_cache.device
         self._static = {
             size: torch.tensor(PADDING_ROW * size, dtype=torch.int64, device=device)
             .view(size, FIELDS)
@@ -66,13 +63,28 @@ class DecodeGraphs:
         self._graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._outputs: dict[int, torch.Tensor] = {}
 
+    def warm_up(self) -> None:
+        """Capture the graphs on CUDA; elsewhere (Triton's interpreter) nothing to do."""
+        if self._kv_cache.device.type == "cuda":
+            self.capture()
+
+    def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]:
+        if not self.fits(step):
+            return step.arrays()
+        return (self.bucket_inputs(step),)
+
+    def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
+        if not self.fits(step):
+            return self._eager.run(step, inputs)
+        return self.replay(step, inputs[0])
+
     def fits(self, step: StepInputs) -> bool:
         return step.is_decode and step.num_seqs <= self.buckets[-1]
 
     def bucket(self, num_seqs: int) -> int:
         return next(size for size in self.buckets if size >= num_seqs)
 
-    def host_inputs(self, step: StepInputs) -> np.ndarray:
+    def bucket_inputs(self, step: StepInputs) -> np.ndarray:
         """The step's rows, padded to its bucket, laid out as the bucket's static buffer."""
         size = self.bucket(step.num_seqs)
         fields = np.tile(np.asarray(PADDING_ROW, dtype=np.int64)[:, None], (1, size))
@@ -81,8 +93,9 @@ class DecodeGraphs:
             fields[field, : step.num_seqs] = column
         return fields.reshape(-1)
 
-    def run(self, step: StepInputs, inputs: torch.Tensor) -> torch.Tensor:
-        """Logits `[B, vocab]` of a step that `fits`; `inputs` is `host_inputs` on the device."""
+    def replay(self, step: StepInputs, inputs: torch.Tensor) -> torch.Tensor:
+        """Logits `[B, vocab]` of a step that `fits`; `inputs` is `bucket_inputs` on the
+        device."""
         size = self.bucket(step.num_seqs)
         self._static[size].view(-1).copy_(inputs)
         if size in self._graphs:
@@ -108,8 +121,9 @@ class DecodeGraphs:
         input_ids, positions, slots, context_lens, rows = self._static[size]
         device = self._kv_cache.device
         every_row = torch.arange(size + 1, dtype=torch.int64, device=device)
-        tables = self._tables.index_select(0, rows)
-        metadata = PagedAttentionMetadata.device_only(
-            self._kv_cache, slots, tables, every_row, context_lens, max_query_len=1
+        metadata = PagedAttentionMetadata.of_step(
+            self._kv_cache, self._tables, slots, rows, every_row, context_lens, max_query_len=1
         )
-        return self._forward(input_ids[None], positions[None], every_row[:size], metadata)
+        return model_logits(
+            self._model, input_ids[None], positions[None], every_row[:size], metadata
+        )

@@ -47,10 +47,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from engine.model import quantized_store
+from engine.linears import quantized_store
+from engine.linears.opaque_linear import OpaqueLinear, layer, opaque_linear
+from engine.linears.packed_linear import PackedLinear, can_pack, replace_linear_layers
 from engine.model.kernels import group_linear
-from engine.model.opaque_linear import OpaqueLinear, layer, opaque_linear
-from engine.model.packed_linear import PackedLinear, can_pack, replace_linear_layers
 
 # Bits of the decoder's linears per mode; the LM head takes HEAD_BITS in every mode.
 MODES = {"int8": 8, "int4": 4}

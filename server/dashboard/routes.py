@@ -1,6 +1,6 @@
 """The live dashboard: a page at /dashboard and the JSON it polls at /dashboard/state.
 
-The page and its script (server/static/) are open: they hold no data and no secret, and
+The page and its script (server/dashboard/static/) are open: they hold no data and no secret, and
 refer to nothing outside this server (their Content-Security-Policy forbids it). The data
 endpoint requires the API key like /v1; the page sends it as a bearer token.
 """
@@ -10,15 +10,15 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from engine.errors import EngineError
 from engine.snapshot import BlockState, EngineStats, SequenceSnapshot
 from server.auth import require_api_key
+from server.dashboard.history import Sample, StatsHistory
 from server.errors import OpenAIError
-from server.history import Sample
 from server.state import server_state
 
 STATIC = Path(__file__).parent / "static"
@@ -32,6 +32,17 @@ _HEADERS = {
 
 page_router = APIRouter(include_in_schema=False)
 data_router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+def install(app: FastAPI) -> None:
+    """Serve the page and its script (open) and the data (behind the API key) from `app`,
+    and record the history while the app runs (a task of the server state's `background`)."""
+    state = app.state.server
+    history = StatsHistory(state.engine_stats, state.metrics.time_to_first_token)
+    state.background.append(history.run)
+    app.state.dashboard_history = history
+    app.include_router(page_router)
+    app.include_router(data_router)
 
 
 class BlockMap(BaseModel):
@@ -87,6 +98,7 @@ async def dashboard_state(request: Request) -> DashboardState:
     """One snapshot taken on the engine thread between two steps (`AsyncLLM.snapshot`);
     503 while the model loads or once the engine has stopped."""
     state = server_state(request)
+    history: StatsHistory = request.app.state.dashboard_history
     llm = state.ready_llm()
     try:
         snapshot = await llm.snapshot()
@@ -110,9 +122,7 @@ async def dashboard_state(request: Request) -> DashboardState:
         prefix_cache_hit_rate=stats.prefix_cache_hits / queries if queries else None,
         acceptance_length=_acceptance_length(stats),
         history=History(
-            interval=state.history.interval,
-            window=state.history.window,
-            samples=state.history.samples(),
+            interval=history.interval, window=history.window, samples=history.samples()
         ),
     )
 

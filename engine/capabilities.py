@@ -1,0 +1,117 @@
+"""The one door from the engine's core to its optional rooms, each imported only when a
+setting asks for it:
+
+- `engine.compiled`: the compiled forward (CPU) and the decode graphs (CUDA), chosen by
+  `enforce_eager` (`step_executor`);
+- `engine.linears`: packed, bf16 and int8/int4 quantized linears, chosen by
+  `quantization`, and packing on the CPU (`quantize`, `pack`);
+- `engine.grammar`: structured outputs and tool-call grammars through llguidance, asked
+  for by a request's `structured_outputs` (`grammar_compiler`);
+- the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
+  door: the backend registry, `engine.model.attention_backend`.
+
+The functions return objects of interfaces the core defines (`StepExecutor`,
+`ConstraintCompiler`) or do the room's work once at load (the linears). A room that
+cannot be imported (its folder removed, a dependency not installed) leaves the core
+importable and serving: what needs it fails with one line that names the setting, or,
+where nothing asked for it explicitly, goes without it and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from functools import partial
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+
+from engine.config import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+    from engine.model.step_executor import EagerSteps, StepExecutor
+    from engine.sampling.logits_constraint import ConstraintCompiler
+
+logger = logging.getLogger(__name__)
+
+StepPath = Literal["eager", "compiled", "graphs"]
+
+
+def missing(room: str, exc: ImportError) -> str:
+    """The reason a room cannot serve: its import failed."""
+    return f"{room} cannot be imported here ({exc})"
+
+
+def step_executor(path: StepPath, max_num_seqs: int) -> Callable[[EagerSteps], StepExecutor]:
+    """What makes the runner's executor from its eager path: the compiled forward, the
+    decode graphs, or the eager path itself. A missing room raises `ConfigError` naming
+    `enforce_eager`, the setting that chose the path."""
+    try:
+        if path == "compiled":
+            from engine.compiled.compiled_forward import CompiledForward
+
+            return CompiledForward
+        if path == "graphs":
+            from engine.compiled.decode_graphs import DecodeGraphs
+
+            return partial(DecodeGraphs, max_num_seqs=max_num_seqs)
+    except ImportError as exc:
+        raise ConfigError(f"enforce_eager false: {missing('engine.compiled', exc)}") from None
+    return lambda eager: eager
+
+
+def compiled_unavailable() -> str | None:
+    """Why the compiled forward's room cannot serve here, or None when it can."""
+    try:
+        import engine.compiled.compiled_forward  # noqa: F401
+    except ImportError as exc:
+        return missing("engine.compiled", exc)
+    return None
+
+
+def quantization_unavailable(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
+    """Why the linears of quantization `mode` cannot run here, or None when they can."""
+    try:
+        from engine.linears import quantized_linear
+    except ImportError as exc:
+        return missing("engine.linears", exc)
+    return quantized_linear.unavailable_reason(device, dtype, mode)
+
+
+def quantize(model: PreTrainedModel, mode: str, dtype: torch.dtype, folder: Path | None) -> None:
+    """Quantize the model's linears to `mode`, which `quantization_unavailable` allowed."""
+    from engine.linears import quantized_linear
+
+    rows = quantized_linear.max_kernel_rows(dtype)
+    quantized_linear.quantize_linear_layers(model, mode, rows, folder)
+
+
+def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> None:
+    """Pack the model's remaining `nn.Linear`s where packing runs (the CPU); without the
+    linears room they stay as they are (the same results, slower), with a warning."""
+    try:
+        from engine.linears.packed_linear import can_pack, pack_linear_layers
+    except ImportError as exc:
+        if device.type == "cpu":
+            logger.warning("linears not packed: %s", missing("engine.linears", exc))
+        return
+    if can_pack(device, dtype):
+        pack_linear_layers(model)
+
+
+def grammar_compiler(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int]
+) -> ConstraintCompiler | None:
+    """The grammar room's compiler for this model, or None (with a warning) where the room
+    cannot be imported: requests with `structured_outputs` or tools are then refused."""
+    try:
+        from engine.grammar.grammar import GrammarCompiler
+    except ImportError as exc:
+        reason = missing("engine.grammar", exc)
+        logger.warning("structured outputs and tool grammars are off: %s", reason)
+        return None
+    return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)

@@ -1,0 +1,2 @@
+"""Compiled and captured step paths: the Inductor-compiled forward (CPU) and the CUDA
+decode graphs (an optional room: the core reaches it only through `engine.capabilities`)."""
