@@ -73,6 +73,15 @@ def compiled_unavailable() -> str | None:
     return None
 
 
+def decode_graphs_unavailable() -> str | None:
+    """Why the decode graphs' room cannot serve here, or None when it can."""
+    try:
+        import engine.compiled.decode_graphs  # noqa: F401
+    except ImportError as exc:
+        return missing("engine.compiled", exc)
+    return None
+
+
 def quantization_unavailable(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
     """Why the linears of quantization `mode` cannot run here, or None when they can."""
     try:

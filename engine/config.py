@@ -91,9 +91,9 @@ class EngineConfig(BaseModel):
     )
     # The attention backend, chosen once at start-up (engine/model/attention_backend.py):
     # 'cpp' is the C++ kernel that reads KV blocks in place (CPU only; fp32 or bf16, head
-    # sizes 32 to 256); 'torch' runs anywhere; 'triton' is the Triton kernels (CUDA; not yet
-    # run on a GPU in this project). 'auto' takes the first that can run the model: on the
-    # CPU cpp, then torch; elsewhere torch. A named backend that cannot run stops start-up.
+    # sizes 32 to 256); 'torch' runs anywhere; 'triton' is the Triton kernels (CUDA).
+    # 'auto' takes the first that can run the model: on the CPU cpp, then torch; on CUDA
+    # triton, then torch; elsewhere torch. A named backend that cannot run stops start-up.
     attention_backend: Literal["auto", "torch", "cpp", "triton"] = "auto"
     # Whether steps run eagerly. null (the default): compiled wherever it can be, eager
     # with one warning that says why where it cannot. false on the CPU: every step runs
@@ -101,8 +101,8 @@ class EngineConfig(BaseModel):
     # machine, model and settings and loaded from $PAGEDSERVE_CACHE/compiled after that
     # (engine/compiled/compiled_forward.py); start-up fails where it cannot. false on CUDA:
     # decode steps replay CUDA graphs captured per batch-size bucket (needs
-    # attention_backend 'triton'; not yet run on a GPU in this project, so null stays
-    # eager on CUDA). true: eager, what the tests compare against.
+    # attention_backend 'triton'); null on CUDA does the same when the backend is Triton
+    # (auto's choice there). true: eager, what the tests compare against.
     enforce_eager: bool | None = Field(
         None, description="default: compiled where it can be (a compiler is found), else eager"
     )

@@ -88,9 +88,7 @@ class LLMEngine:
             capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
         capabilities.pack(self.model, self.device, self.dtype)
         self.compiled = self._compiles(config)
-        # Decode graphs: enforce_eager false wherever the forward is not compiled instead
-        # (CUDA, which `_compiles` held to Triton, and Triton's interpreter on the CPU).
-        self.decode_graphs = config.enforce_eager is False and not self.compiled
+        self.decode_graphs = self._captures_decode(config)
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
         self.max_model_len = config.max_model_len or min(
             model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
@@ -150,9 +148,11 @@ class LLMEngine:
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
         logger.info(
-            "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d",
+            "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
+            "attention %s, %s steps",
             self.model_name, self.dtype, self.device, self.num_kv_blocks, self.block_size,
             self.num_kv_blocks * self.block_size, self.max_model_len,
+            self.attention.backend.name, self._step_path(),
         )  # fmt: skip
 
     def _sampling_defaults(self, config: EngineConfig) -> dict[str, Any]:
@@ -195,8 +195,8 @@ class LLMEngine:
         """Whether steps run through a compiled forward: on the CPU, with an attention
         backend that `compiles`, with `enforce_eager` false (else a `ConfigError` says why
         it cannot) or unset (else a warning says why it runs eager). With a backend that
-        only `captures` (Triton), and on CUDA, `enforce_eager` false means decode graphs
-        instead, and unset stays eager (not yet run on a GPU)."""
+        only `captures` (Triton), and on CUDA, steps are never compiled: decode graphs
+        instead (`_captures_decode`)."""
         if config.enforce_eager:
             return False
         backend = self.attention.backend
@@ -217,6 +217,29 @@ class LLMEngine:
             "enforce_eager false on the CPU compiles the forward, which this engine cannot: "
             f"{reason}"
         )
+
+    def _captures_decode(self, config: EngineConfig) -> bool:
+        """Whether decode steps replay CUDA graphs: wherever the forward is not compiled,
+        with `enforce_eager` false (CUDA, which `_compiles` held to a backend that
+        captures, or Triton's interpreter on the CPU, which runs the same padded steps
+        uncaptured), or unset on CUDA with a backend that captures (Triton, `auto`'s first
+        choice there). Unset on CUDA otherwise stays eager, with one warning that says why."""
+        if self.compiled or config.enforce_eager:
+            return False
+        if config.enforce_eager is False:
+            return True
+        if self.device.type != "cuda":
+            return False
+        backend = self.attention.backend
+        reason = (
+            capabilities.decode_graphs_unavailable()
+            if backend.captures
+            else f"attention backend '{backend.name}' cannot be captured in CUDA graphs"
+        )
+        if reason is not None:
+            logger.warning("decode steps eager, not captured: %s", reason)
+            return False
+        return True
 
     def _step_path(self) -> StepPath:
         """The path every step takes (see `_compiles` and `decode_graphs`)."""

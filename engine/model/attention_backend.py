@@ -10,7 +10,7 @@ The backends live in rooms of their own and are imported only here, lazily, by n
   are registered ops, so it also runs inside the compiled forward.
 - `triton` (`kernels.triton_attention`): the Triton kernels, on CUDA (on the CPU only
   through Triton's interpreter); they read only device tensors, so the decode graphs can
-  capture them. Not yet run on a GPU in this project.
+  capture them. `auto`'s first choice on CUDA (measured on an H100: docs/gpu.md).
 - `torch` (`torch_attention`): plain torch, on any device: blockwise and row-invariant on
   the CPU, gathered (fast, batch-dependent bits) elsewhere.
 
@@ -41,8 +41,7 @@ BACKENDS: dict[str, tuple[str, str]] = {
     "torch": ("engine.model.torch_attention", "TorchAttention"),
 }
 # What `auto` tries, in order, by device type; torch runs everywhere and ends each list.
-# Triton stays out of CUDA's until it has run on a GPU.
-AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("cpp", "torch")}
+AUTO_ORDER: dict[str, tuple[str, ...]] = {"cpu": ("cpp", "torch"), "cuda": ("triton", "torch")}
 OTHER_DEVICES_AUTO_ORDER = ("torch",)
 
 

@@ -43,8 +43,19 @@ def test_auto_passes_over_the_kernel_for_a_head_size_it_does_not_take() -> None:
     assert "head sizes 32, 64, 96, 128, 256, not 80" in choice.passed_over["cpp"]
 
 
-def test_auto_off_the_cpu_is_torch_gathered() -> None:
+def test_auto_on_cuda_is_triton_then_torch_gathered() -> None:
     choice = choose_backend("auto", CUDA, torch.float16, 64, 16)
+    assert choice.backend.name == "triton" and choice.backend.captures
+    assert not choice.passed_over
+    # A cache the kernels do not take (block_size 8) falls back to torch, saying why.
+    choice = choose_backend("auto", CUDA, torch.float16, 64, 8)
+    assert isinstance(choice.backend, TorchAttention)
+    assert choice.backend.function is gathered_attention
+    assert "block_size 8" in choice.passed_over["triton"]
+
+
+def test_auto_elsewhere_is_torch_gathered() -> None:
+    choice = choose_backend("auto", torch.device("meta"), torch.float16, 64, 16)
     assert isinstance(choice.backend, TorchAttention) and not choice.passed_over
     assert choice.backend.function is gathered_attention
 

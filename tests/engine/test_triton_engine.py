@@ -101,6 +101,7 @@ def test_buckets() -> None:
 
 def test_triton_backend_refuses_what_it_cannot_run(monkeypatch) -> None:
     cpu = torch.device("cpu")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # unset where CUDA is (tests/conftest.py)
     with pytest.raises(ConfigError, match=r"attention_backend 'triton' .*block_size 8"):
         choose_backend("triton", cpu, torch.float32, 32, block_size=8)
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
