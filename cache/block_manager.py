@@ -93,32 +93,38 @@ class BlockManager:
         return len(self._free)
 
     def can_allocate(
-        self, token_ids: Sequence[int], block_hashes: list[int] | None = None
+        self, token_ids: Sequence[int], block_hashes: list[int] | None = None, reuse: bool = True
     ) -> AllocStatus:
-        """Whether `allocate(token_ids)` fits now, keeping `watermark_blocks` free."""
+        """Whether `allocate(token_ids, reuse=reuse)` fits now, keeping `watermark_blocks`
+        free."""
         num_needed = cdiv(len(token_ids), self.block_size)
         if num_needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         # Hit blocks in use cost nothing; free ones are revived off the free queue, so they
         # count like new blocks.
-        hits = self._find_cached_prefix(token_ids, block_hashes)
+        hits = self._find_cached_prefix(token_ids, block_hashes) if reuse else []
         num_shared = sum(1 for block in hits if block.ref_count)
         if len(self._free) - (num_needed - num_shared) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def allocate(
-        self, seq_id: str, token_ids: Sequence[int], block_hashes: list[int] | None = None
+        self,
+        seq_id: str,
+        token_ids: Sequence[int],
+        block_hashes: list[int] | None = None,
+        reuse: bool = True,
     ) -> int:
         """Give `seq_id` blocks for all of `token_ids`; return how many tokens were cached.
 
-        The cached count is a multiple of `block_size` and less than `len(token_ids)`.
+        The cached count is a multiple of `block_size` and less than `len(token_ids)`; 0
+        without `reuse` (every block is new, and still registered as it fills).
         Raises ValueError if `seq_id` already has blocks and RuntimeError if the free blocks
         do not suffice (the caller should have seen `can_allocate(...) is AllocStatus.OK`).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        hits = self._find_cached_prefix(token_ids, block_hashes)
+        hits = self._find_cached_prefix(token_ids, block_hashes) if reuse else []
         num_new = cdiv(len(token_ids), self.block_size) - len(hits)
         num_revived = sum(1 for block in hits if block.ref_count == 0)
         if num_new + num_revived > len(self._free):

@@ -28,7 +28,7 @@ from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
 from engine.sampling.defaults import resolve_defaults
-from engine.sampling.sampler import Sampler, SamplerOutput
+from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator
 from engine.speculative.verification import generator_states, rewind, sampling_rows
@@ -393,8 +393,13 @@ class LLMEngine:
             sampling = [self._samples[item.seq.seq_id] for item in batch.sampling]
             try:
                 logits = self.runner.execute(batch.scheduled)
+                num_sampled = batch.num_sampled_rows
                 generators = generator_states(batch.sampling, sampling)
-                sampled = self.sampler.sample(logits, sampling_rows(batch.sampling, sampling))
+                sampled = self.sampler.sample(
+                    logits[:num_sampled], sampling_rows(batch.sampling, sampling)
+                )
+                if len(logits) > num_sampled:
+                    self._add_prompt_logprobs(batch, logits[num_sampled:])
             except Exception as exc:
                 logger.exception(
                     "engine step failed; failing its %d sequences", len(batch.scheduled)
@@ -408,6 +413,28 @@ class LLMEngine:
             if state.finished:
                 self._forget(state)
         return outputs
+
+    def _add_prompt_logprobs(self, batch: SchedulerOutput, logits: torch.Tensor) -> None:
+        """Give each chunk's prompt-logprob rows (`logits`, in batch order after the
+        sampled rows) to its request: row j of a chunk starting at position s holds the
+        logprob of prompt token s + j + 1. The request hands them out with its next output
+        after they are whole (the final chunk samples, so that is no later than its first
+        token's)."""
+        items = [item for item in batch.scheduled if item.num_prompt_logprob_rows]
+        targets, counts = [], []
+        for item in items:
+            start, rows = item.num_computed_tokens, item.num_prompt_logprob_rows
+            targets += item.seq.prompt_token_ids[start + 1 : start + 1 + rows]
+            count = self._requests[item.seq.request_id].request.params.prompt_logprobs
+            counts += [count or 0] * rows
+        entries = prompt_logprobs(logits, targets, counts)
+        offset = 0
+        for item in items:
+            state = self._requests[item.seq.request_id]
+            rows = item.num_prompt_logprob_rows
+            first = item.num_computed_tokens + 1
+            state.add_prompt_logprobs(first, entries[offset : offset + rows], self._token_texts)
+            offset += rows
 
     def _apply_samples(
         self,

@@ -15,7 +15,9 @@ class TokenLogprobs:
     temperature and truncation (see `engine.sampling.sampler`). `token` and `top_tokens`
     are the texts of the chosen and the top tokens, each decoded alone (a token holding
     part of a character shows U+FFFD, as in OpenAI's API); the sampler leaves them empty
-    and the sample that records the entry fills them, on the engine thread.
+    and the sample that records the entry fills them, on the engine thread. `rank` is the
+    token's 1-based rank in the distribution (1 + the tokens strictly more likely); only
+    prompt logprobs carry it.
     """
 
     token_id: int
@@ -23,6 +25,7 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
     token: str = ""
     top_tokens: list[str] = field(default_factory=list)
+    rank: int | None = None
 
 
 @dataclass(slots=True)
@@ -69,6 +72,9 @@ class RequestOutput:
     metrics: RequestMetrics
     # Set when the engine failed the request; its outputs then end with "error".
     error: str | None = None
+    # With `SamplingParams.prompt_logprobs`: one entry per prompt token, the first None;
+    # whole, in exactly one output (the first after the prompt is computed), not a delta.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def copy(self) -> RequestOutput:
         """A copy to `add` later outputs to, sharing no list that `add` extends."""
@@ -98,3 +104,5 @@ class RequestOutput:
         self.num_cached_tokens = later.num_cached_tokens
         self.metrics = later.metrics
         self.error = later.error
+        if later.prompt_logprobs is not None:
+            self.prompt_logprobs = later.prompt_logprobs

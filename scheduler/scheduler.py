@@ -319,7 +319,9 @@ class Scheduler:
             if not self.enable_chunked_prefill and head.num_tokens > self.max_num_batched_tokens:
                 return  # admission rejects it
             if len(self._running) < self.max_num_seqs:
-                status = manager.can_allocate(head.token_ids, head.block_hashes)
+                status = manager.can_allocate(
+                    head.token_ids, head.block_hashes, reuse=not head.prompt_logprobs
+                )
                 if status is not AllocStatus.LATER:
                     return  # it fits, or it never will (admission rejects it)
             self._preempt(victim)
@@ -344,14 +346,15 @@ class Scheduler:
                 if seq.num_tokens > token_budget:
                     break
             token_ids = seq.token_ids
-            status = manager.can_allocate(token_ids, seq.block_hashes)
+            reuse = not seq.prompt_logprobs
+            status = manager.can_allocate(token_ids, seq.block_hashes, reuse=reuse)
             if status is AllocStatus.NEVER:
                 self._reject(seq, self._too_big_for_cache(seq), output)
                 continue
             if status is AllocStatus.LATER:
                 break
             self._waiting.pop()
-            num_cached_tokens = manager.allocate(seq.seq_id, token_ids, seq.block_hashes)
+            num_cached_tokens = manager.allocate(seq.seq_id, token_ids, seq.block_hashes, reuse)
             seq.status = SequenceStatus.RUNNING
             seq.num_computed_tokens = num_cached_tokens
             seq.num_cached_tokens = num_cached_tokens

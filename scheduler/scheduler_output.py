@@ -47,6 +47,18 @@ class ScheduledSequence:
         return len(self.draft_token_ids) + 1 if self.samples else 0
 
     @property
+    def num_prompt_logprob_rows(self) -> int:
+        """The chunk's first positions whose logits give a prompt token's logprob (the
+        next one's): for a sequence with `prompt_logprobs`, those before the prompt's last
+        position (whose logits sample the first output token). A chunk recomputed after a
+        preemption has them again."""
+        if not self.seq.prompt_logprobs:
+            return 0
+        start = self.num_computed_tokens
+        end = min(start + self.num_sequence_tokens, self.seq.num_prompt_tokens - 1)
+        return max(end - start, 0)
+
+    @property
     def token_ids(self) -> list[int]:
         """The tokens this step feeds the model for this sequence, drafts last."""
         tokens = self.seq.get_token_ids(
@@ -82,6 +94,11 @@ class SchedulerOutput:
     def num_sampled_rows(self) -> int:
         """The positions the step samples at: one per sampling sequence plus its drafts."""
         return sum(s.num_sampled_rows for s in self.scheduled)
+
+    @property
+    def num_prompt_logprob_rows(self) -> int:
+        """The positions whose logits give prompt logprobs, after the sampled ones."""
+        return sum(s.num_prompt_logprob_rows for s in self.scheduled)
 
     @property
     def num_batched_tokens(self) -> int:

@@ -30,6 +30,9 @@ class Sequence:
     - `finish_reason` is set exactly when `status` is FINISHED.
     - `priority` orders the sequence under the priority scheduling policy, a lower value
       first (vLLM's meaning); the FCFS policy ignores it.
+    - A sequence with `prompt_logprobs` takes no prefix-cache hits: every prompt position
+      runs through the model, whose logits there give the next prompt token's logprob
+      (its blocks still fill the cache for others).
     - `block_hashes` holds the chained prefix-cache hashes of the first full blocks of
       `token_ids` (see `cache.extend_block_hashes`); the block manager extends it as it
       needs more, so each block of the sequence is hashed once in its life.
@@ -51,6 +54,7 @@ class Sequence:
     # admitted again and may hit its own freed blocks).
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    prompt_logprobs: bool = False
     block_hashes: list[int] = field(default_factory=list)
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None

@@ -21,7 +21,7 @@ from server.conversation import render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
-from server.logprobs import chat_logprobs
+from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -67,7 +67,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     reasoning = state.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
-            max_tokens=max_tokens, logprobs=logprobs, defaults=llm.default_sampling
+            max_tokens=max_tokens,
+            logprobs=logprobs,
+            defaults=llm.default_sampling,
+            prompt_logprobs=body.prompt_logprobs,
         )
         tools = ToolRequest.of(body)
         conversation = render(body.messages, tools, body.chat_template_kwargs, state.tool_calling)
@@ -128,6 +131,9 @@ class _Chat:
             model=self.state.model_name,
             choices=choices,
             usage=count_usage([final]),
+            prompt_logprobs=None
+            if self.body.prompt_logprobs is None
+            else prompt_logprobs(final.prompt_logprobs or [], self.body.prompt_logprobs),
         )
 
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:

@@ -1,5 +1,8 @@
 """POST /v1/completions: one or many prompts, n samples each, as JSON or a stream.
 
+`echo` with `logprobs` covers the prompt's tokens too (first), from the engine's prompt
+logprobs; with `max_tokens: 0` (not streaming) the choice is the prompt alone.
+
 Everything a user can get wrong (parameters, model name, prompt length) is checked
 before the engine sees the request (prompts on the engine's intake thread), so a stream
 never starts for a request that would fail validation.
@@ -9,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from fastapi import APIRouter, Depends, Request, Response
@@ -17,11 +20,17 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import require_api_key
-from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
+from server.errors import OpenAIError, engine_failure, error_body, user_errors
 from server.generation import count_usage, final_outputs, generate, new_request_id
 from server.handling import Handling, json_response
-from server.logprobs import CompletionLogprobsFormatter
-from server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from server.logprobs import CompletionLogprobsFormatter, joined, prompt_logprobs
+from server.protocol import (
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    Usage,
+)
 from server.rendered_prompt import rendered_prompt
 from server.state import ServerState
 from server.streaming import DONE, sse
@@ -40,11 +49,12 @@ _FIELDS = set(CompletionRequest.model_fields)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     handling = Handling.begin(request, body.model)
     state, llm, deadline = handling.state, handling.llm, handling.deadline
-    if body.echo and body.logprobs is not None:
-        raise invalid_request("echo with logprobs is not supported (no prompt logprobs)", "echo")
     with user_errors(_FIELDS, aliases=body.error_aliases()):
         params = body.sampling_params(
-            max_tokens=body.max_tokens, logprobs=body.logprobs, defaults=llm.default_sampling
+            max_tokens=1 if body.echo_only else body.max_tokens,
+            logprobs=body.logprobs,
+            defaults=llm.default_sampling,
+            prompt_logprobs=body.engine_prompt_logprobs,
         )
         rendered = rendered_prompt(request) if len(body.prompt) == 1 else None
         if rendered is not None:
@@ -55,7 +65,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         prefixes = [p if isinstance(p, str) else await llm.decode(p) for p in body.prompt]
     else:
         prefixes = [""] * len(prompts)
-    completion = _Completion(state, llm, body, params, prompts, prefixes, deadline)
+    first_tokens = []
+    if body.echo and body.logprobs is not None:
+        first_tokens = [await llm.decode(prompt.prompt_token_ids[:1]) for prompt in prompts]
+    completion = _Completion(state, llm, body, params, prompts, prefixes, deadline, first_tokens)
     samples = len(prompts) * params.n
     if body.stream:
         return handling.stream(samples, completion.events)
@@ -65,7 +78,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 @dataclass(slots=True)
 class _Completion:
     """One validated completion request. `prefixes[p]` starts every choice of prompt p:
-    the prompt's text when echoing, else empty. `deadline` ends it early (a 504)."""
+    the prompt's text when echoing, else empty. `deadline` ends it early (a 504).
+    `first_tokens[p]`, with echo and logprobs, is the text of prompt p's first token."""
 
     state: ServerState
     llm: AsyncLLM
@@ -74,6 +88,7 @@ class _Completion:
     prompts: list[EngineRequest]
     prefixes: list[str]
     deadline: Deadline | None
+    first_tokens: list[str]
     request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -83,22 +98,43 @@ class _Completion:
         )
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
+        if self.body.echo_only:
+            finals = [_without_generation(output) for output in finals]
+        count = self.body.prompt_logprobs
         choices = []
         for prompt_index, output in enumerate(finals):
             prefix = self.prefixes[prompt_index]
             for completion in output.outputs:
-                formatter = self._formatter(len(prefix))
-                logprobs = formatter.format(completion.logprobs or []) if formatter else None
                 choices.append(
                     CompletionChoice(
                         index=prompt_index * self.params.n + completion.index,
                         text=prefix + completion.text,
-                        logprobs=logprobs,
+                        logprobs=self._choice_logprobs(prompt_index, output, completion),
                         finish_reason=completion.finish_reason,
                         stop_reason=completion.stop_reason,
+                        prompt_logprobs=None
+                        if count is None
+                        else prompt_logprobs(output.prompt_logprobs or [], count),
                     )
                 )
         return self._envelope(choices, count_usage(finals))
+
+    def _choice_logprobs(
+        self, prompt_index: int, output: RequestOutput, completion: CompletionOutput
+    ) -> CompletionLogprobs | None:
+        """The choice's legacy logprobs: with echo the prompt's tokens, then its own."""
+        count = self.body.logprobs
+        if count is None:
+            return None
+        offset = len(self.prefixes[prompt_index])
+        generated = CompletionLogprobsFormatter(offset).format(completion.logprobs or [])
+        if not self.body.echo:
+            return generated
+        assert output.prompt_logprobs is not None, "echo with logprobs asks for them"
+        echoed = CompletionLogprobsFormatter(0).format_prompt(
+            self.first_tokens[prompt_index], output.prompt_logprobs, count
+        )
+        return joined(echoed, generated)
 
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:
         """The SSE stream: echoes first, then text deltas; each choice's last chunk has its
@@ -155,6 +191,16 @@ class _Completion:
             choices=choices,
             usage=usage,
         )
+
+
+def _without_generation(output: RequestOutput) -> RequestOutput:
+    """`output` with its samples' one computed token left out (`echo_only`): no text,
+    tokens or logprobs, finished for length (0 tokens asked for)."""
+    outputs = [
+        replace(c, text="", token_ids=[], logprobs=[], finish_reason="length", stop_reason=None)
+        for c in output.outputs
+    ]
+    return replace(output, outputs=outputs)
 
 
 def _delta_choice(

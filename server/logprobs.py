@@ -8,9 +8,17 @@ API; `bytes` is that text's UTF-8.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 
 if TYPE_CHECKING:
     from engine.outputs import TokenLogprobs
@@ -37,6 +45,57 @@ class CompletionLogprobsFormatter:
             result.text_offset.append(self.offset)
             self.offset += len(entry.token)
         return result
+
+    def format_prompt(
+        self, first_token: str, entries: Sequence[TokenLogprobs | None], count: int
+    ) -> CompletionLogprobs:
+        """An echoed prompt's tokens: the first (`first_token`, its text) with no logprob
+        and no alternatives (null, as OpenAI's), then each entry with its `count` most likely
+        alternatives."""
+        head = CompletionLogprobs(
+            tokens=[first_token], token_logprobs=[None], top_logprobs=[None],
+            text_offset=[self.offset],
+        )  # fmt: skip
+        self.offset += len(first_token)
+        rest = self.format([_cut(entry, count) for entry in entries[1:] if entry is not None])
+        return joined(head, rest)
+
+
+def joined(first: CompletionLogprobs, then: CompletionLogprobs) -> CompletionLogprobs:
+    """One choice's logprobs: `first`'s tokens, then `then`'s."""
+    return CompletionLogprobs(
+        tokens=first.tokens + then.tokens,
+        token_logprobs=first.token_logprobs + then.token_logprobs,
+        top_logprobs=first.top_logprobs + then.top_logprobs,
+        text_offset=first.text_offset + then.text_offset,
+    )
+
+
+def _cut(entry: TokenLogprobs, count: int) -> TokenLogprobs:
+    """`entry` with only its `count` most likely alternatives."""
+    return replace(entry, top=entry.top[:count], top_tokens=entry.top_tokens[:count])
+
+
+def prompt_logprobs(entries: Sequence[TokenLogprobs | None], count: int) -> PromptLogprobs:
+    """vLLM's shape: per prompt token None (the first) or the token's own entry, then its
+    `count` most likely alternatives (ranks 1 to `count`), keyed by token id as a string."""
+    result: PromptLogprobs = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        ranked = {
+            str(entry.token_id): PromptLogprob(
+                logprob=entry.logprob, rank=entry.rank, decoded_token=entry.token
+            )
+        }
+        alternatives = zip(entry.top[:count], entry.top_tokens[:count], strict=True)
+        for rank, ((token_id, logprob), text) in enumerate(alternatives, start=1):
+            ranked.setdefault(
+                str(token_id), PromptLogprob(logprob=logprob, rank=rank, decoded_token=text)
+            )
+        result.append(ranked)
+    return result
 
 
 def chat_logprobs(entries: Sequence[TokenLogprobs]) -> ChatLogprobs:

@@ -64,7 +64,6 @@ NO_OP_FIELDS: dict[str, str] = {
 UNSUPPORTED_FIELDS: dict[str, str] = {
     "suffix": "insertion (text after the completion) is not implemented",
     "best_of": "ranking several samples to return the best is not implemented; use n",
-    "prompt_logprobs": "logprobs of prompt tokens are not computed",
     "echo": "echoing the last chat message is not implemented",
     "use_beam_search": "beam search is not implemented",
     "length_penalty": "beam search is not implemented",
@@ -266,6 +265,8 @@ class SamplingRequest(_Body):
     # A lower value is served first under the priority scheduling policy (vLLM's); the fcfs
     # policy refuses any but 0 (engine/request/intake.py).
     priority: int | None = None
+    # vLLM's: the logprobs of the prompt's tokens, with this many alternatives each.
+    prompt_logprobs: int | None = None
     # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -326,6 +327,8 @@ class SamplingRequest(_Body):
     def _stream_options_need_stream(self) -> SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise field_error("stream_options", "only allowed when stream is true")
+        if self.prompt_logprobs is not None and self.stream:
+            raise field_error("prompt_logprobs", "is not supported when streaming")
         return self
 
     @property
@@ -333,10 +336,16 @@ class SamplingRequest(_Body):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(
-        self, *, max_tokens: int | None, logprobs: int | None, defaults: Mapping[str, Any]
+        self,
+        *,
+        max_tokens: int | None,
+        logprobs: int | None,
+        defaults: Mapping[str, Any],
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request as `SamplingParams`: its own values (`max_tokens`: its limit, None if
-        it set none) win; a field it left out or sent as null takes the server's default
+        it set none; `prompt_logprobs`: the engine's, which echo may raise) win; a field it
+        left out or sent as null takes the server's default
         from `defaults` (see `engine.sampling.defaults`), else SamplingParams' own, and
         `max_tokens` else `DEFAULT_MAX_TOKENS`. Raises ValueError naming the parameter
         when a value is out of range."""
@@ -348,7 +357,7 @@ class SamplingRequest(_Body):
         structured = self.structured_outputs_spec()
         if structured is not None:
             values["structured_outputs"] = structured
-        return SamplingParams(logprobs=logprobs, **values)
+        return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, **values)
 
 
 class CompletionRequest(SamplingRequest):
@@ -359,6 +368,30 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = False
     logprobs: int | None = None
     best_of: int | None = None  # accepted when null or n: one sample per choice
+
+    @model_validator(mode="after")
+    def _echo_logprobs_whole(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None and self.stream:
+            raise field_error("echo", "with logprobs is not supported when streaming")
+        if self.max_tokens == 0 and not (self.echo and not self.stream):
+            raise field_error("max_tokens", "0 is only allowed with echo, not streaming")
+        return self
+
+    @property
+    def echo_only(self) -> bool:
+        """Echo the prompt and generate nothing (lm-eval's loglikelihood call): the engine
+        computes one token, which the response leaves out."""
+        return bool(self.echo) and self.max_tokens == 0
+
+    @property
+    def engine_prompt_logprobs(self) -> int | None:
+        """The alternatives per prompt token the engine computes: `prompt_logprobs`'s, and
+        with echo `logprobs`'s, whichever is more."""
+        counts = [self.prompt_logprobs]
+        if self.echo:
+            counts.append(self.logprobs)
+        given = [count for count in counts if count is not None]
+        return max(given) if given else None
 
     @model_validator(mode="after")
     def _best_of_is_n(self) -> CompletionRequest:
@@ -563,9 +596,21 @@ class CompletionLogprobs(_Response):
     """OpenAI's legacy per-token format, one entry per generated token in each list."""
 
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(_Response):
+    """vLLM's entry for one token at one prompt position: `rank` is 1-based."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token (the first None), token id (a string) -> entry.
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(_Response):
@@ -574,6 +619,7 @@ class CompletionChoice(_Response):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class CompletionResponse(_Response):
@@ -652,6 +698,7 @@ class ChatCompletionResponse(_Response):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 class ChatDelta(_Response):

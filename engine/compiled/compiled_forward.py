@@ -116,6 +116,7 @@ def pad_step(step: StepInputs) -> StepInputs:
         context_lens=np.append(step.context_lens, context),
         logits_index=np.append(step.logits_index, [token] * missing),
         width=step.width,
+        num_prompt_rows=step.num_prompt_rows,
     )
 
 

@@ -19,7 +19,8 @@ class ModelRunner:
 
     Every token is a query row of paged attention (see `PagedAttentionMetadata`). Logits
     are computed only at the positions each sampling chunk samples at (its last, and with
-    draft tokens one more per draft), in batch order.
+    draft tokens one more per draft), in batch order, then at each chunk's prompt-logprob
+    positions (`ScheduledSequence.num_prompt_logprob_rows`), in batch order.
     Block tables live in `block_tables`, kept across steps from the scheduler's outputs:
     call `update_block_tables` with every `SchedulerOutput`, in order, before `execute`.
     On a GPU a copy of them stays on the device and follows by changed entries only, and
@@ -67,7 +68,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: Sequence[ScheduledSequence]) -> torch.Tensor:
-        """Return float32 logits `[scheduled sampled rows, vocab]` (`num_sampled_rows`)."""
+        """Return float32 logits `[sampled rows + prompt-logprob rows, vocab]`
+        (`SchedulerOutput.num_sampled_rows`, then `num_prompt_logprob_rows`)."""
         step = build_step_inputs(scheduled, self.block_tables, self.block_size)
         changed_at, changed_ids = self.block_tables.drain_changes()
         *inputs, changed_at, changed_ids = self._staging.upload(

@@ -24,8 +24,8 @@ from engine.model.step_inputs import StepInputs
 class StepExecutor(Protocol):
     """One way to run a step. `host_inputs(step)` are the int64 arrays to put on the
     device; `run(step, inputs)`, given them there in the same order, returns the logits
-    `[len(step.logits_index), vocab]` in the model's dtype, one row per sampled position
-    in batch order. A row's logits depend on that row alone, never on the step's other
+    `[len(step.logits_index), vocab]` in the model's dtype, one row per entry of
+    `logits_index`, in its order. A row's logits depend on that row alone, never on the step's other
     rows. `warm_up` runs once before the first step (it compiles or captures)."""
 
     name: str

@@ -22,7 +22,9 @@ class StepInputs:
     position and KV slot; `rows[b]` is b's row in the block tables, whose first `width`
     columns cover every context; `logits_index` lists the packed indices each chunk samples
     at, in batch order: a sampling chunk's last token, or with draft tokens its last
-    `num_draft_tokens + 1` tokens, in order.
+    `num_draft_tokens + 1` tokens, in order; then its last `num_prompt_rows` entries, the
+    packed indices of each chunk's prompt-logprob positions
+    (`ScheduledSequence.num_prompt_logprob_rows`: the chunk's first ones), in batch order.
     """
 
     input_ids: np.ndarray
@@ -33,6 +35,7 @@ class StepInputs:
     context_lens: np.ndarray
     logits_index: np.ndarray
     width: int
+    num_prompt_rows: int = 0
 
     def arrays(self) -> tuple[np.ndarray, ...]:
         """The seven arrays in the order the runner's forwards take them: input ids,
@@ -53,8 +56,11 @@ class StepInputs:
 
     @property
     def is_decode(self) -> bool:
-        """One token per sequence, every one sampled."""
-        return len(self.input_ids) == len(self.rows) == len(self.logits_index)
+        """One token per sequence, every one sampled (and nothing else has logits)."""
+        return (
+            len(self.input_ids) == len(self.rows) == len(self.logits_index)
+            and not self.num_prompt_rows
+        )
 
     @property
     def max_query_len(self) -> int:
@@ -66,8 +72,9 @@ def build_step_inputs(
 ) -> StepInputs:
     """Pack the scheduled chunks; `tables` must already hold this step's blocks."""
     input_ids: list[int] = []
-    rows, counts, starts, sampled = [], [], [], []
+    rows, counts, starts, sampled, prompt_rows = [], [], [], [], []
     for item in scheduled:
+        prompt_rows.append(item.num_prompt_logprob_rows)
         input_ids += item.token_ids
         rows.append(tables.row(item.seq.seq_id))
         counts.append(item.num_new_tokens)
@@ -95,6 +102,13 @@ def build_step_inputs(
         ends = np.repeat(last + 1, num_sampled)
         within = np.arange(len(ends)) - np.repeat(np.cumsum(num_sampled) - num_sampled, num_sampled)
         logits_index = ends - np.repeat(num_sampled, num_sampled) + within
+    num_prompt = np.asarray(prompt_rows, dtype=np.int64)
+    num_prompt_rows = int(num_prompt.sum())
+    if num_prompt_rows:
+        within = np.arange(num_prompt_rows) - np.repeat(
+            np.cumsum(num_prompt) - num_prompt, num_prompt
+        )
+        logits_index = np.concatenate((logits_index, np.repeat(first, num_prompt) + within))
     return StepInputs(
         input_ids=np.asarray(input_ids, dtype=np.int64),
         positions=positions,
@@ -104,6 +118,7 @@ def build_step_inputs(
         context_lens=context_lens,
         logits_index=logits_index,
         width=cdiv(int(context_lens.max()), block_size),
+        num_prompt_rows=num_prompt_rows,
     )
 
 

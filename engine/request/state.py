@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from engine.outputs import RequestMetrics, RequestOutput
+from engine.outputs import RequestMetrics, RequestOutput, TokenLogprobs
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
 from engine.request.sample import SampleState, StopChecker, ending_token_ids
@@ -18,12 +18,19 @@ from scheduler import Sequence
 
 @dataclass(slots=True)
 class RequestState:
-    """All samples of one request. A sample with n > 1 has seq_id f"{request_id}-{index}"."""
+    """All samples of one request. A sample with n > 1 has seq_id f"{request_id}-{index}".
+
+    With `prompt_logprobs` asked for, sample 0's sequence computes them (and takes no
+    prefix-cache hits); the others may hit its blocks. Invariant: `prompt_logprobs[i]` is
+    prompt token i's entry, the first None; the list is handed out once, when whole.
+    """
 
     request_id: str
     request: EngineRequest
     samples: list[SampleState] = field(default_factory=list)
     error: str | None = None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt_logprobs_sent: bool = False
 
     @classmethod
     def create(
@@ -43,12 +50,15 @@ class RequestState:
         blocks at the engine's block size."""
         state = cls(request_id, request)
         params, prompt_ids = request.params, request.prompt_token_ids
+        wants_prompt_logprobs = params.prompt_logprobs is not None
+        if wants_prompt_logprobs:
+            state.prompt_logprobs = [None]
         ending = ending_token_ids(params, eos_token_ids)
         for index in range(params.n):
             seq_id = request_id if params.n == 1 else f"{request_id}-{index}"
             seq = Sequence(
                 seq_id, request_id, prompt_ids, request.max_tokens, index=index,
-                priority=params.priority,
+                priority=params.priority, prompt_logprobs=wants_prompt_logprobs and index == 0,
             )  # fmt: skip
             seq.block_hashes.extend(prompt_hashes)
             generator = (
@@ -72,6 +82,29 @@ class RequestState:
                 )
             )
         return state
+
+    def add_prompt_logprobs(
+        self, first: int, entries: list[TokenLogprobs], token_texts: TokenTexts
+    ) -> None:
+        """Record the entries of prompt tokens `first`, `first + 1`, ... (one chunk's, in
+        order), decoding their texts; those already held (a chunk recomputed after a
+        preemption) are skipped."""
+        held = self.prompt_logprobs
+        assert held is not None and 1 <= first <= len(held), "prompt chunks come in order"
+        for entry in entries[len(held) - first :]:
+            entry.token = token_texts.text(entry.token_id)
+            entry.top_tokens = [token_texts.text(token) for token, _ in entry.top]
+            held.append(entry)
+
+    def _take_prompt_logprobs(self) -> list[TokenLogprobs | None] | None:
+        """The whole prompt's logprobs the first time they are complete, else None."""
+        held = self.prompt_logprobs
+        if held is None or self.prompt_logprobs_sent:
+            return None
+        if len(held) < len(self.request.prompt_token_ids):
+            return None
+        self.prompt_logprobs_sent = True
+        return held
 
     @property
     def finished(self) -> bool:
@@ -98,4 +131,5 @@ class RequestState:
             num_cached_tokens=seqs[0].num_cached_tokens,
             metrics=metrics,
             error=self.error,
+            prompt_logprobs=self._take_prompt_logprobs(),
         )

@@ -166,6 +166,9 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     logprobs: int | None = None  # number of top alternatives to report; 0: chosen token only
+    # The same for every prompt token but the first (vLLM's): computed in the prefill, so
+    # the request takes no prefix-cache hits (see `Sequence.prompt_logprobs`).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     structured_outputs: StructuredOutputs | None = None
@@ -205,12 +208,15 @@ class SamplingParams:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}"
             )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, low=0)
-            if self.logprobs > MAX_LOGPROBS:
+        for name in ("logprobs", "prompt_logprobs"):
+            count = getattr(self, name)
+            if count is None:
+                continue
+            _check_int(name, count, low=0)
+            if count > MAX_LOGPROBS:
                 raise ValueError(
-                    f"logprobs must be <= {MAX_LOGPROBS}: more alternatives are not "
-                    f"supported, got {self.logprobs}"
+                    f"{name} must be <= {MAX_LOGPROBS}: more alternatives are not "
+                    f"supported, got {count}"
                 )
 
     @property

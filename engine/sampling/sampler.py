@@ -331,3 +331,26 @@ def _logprobs(
         top = list(zip(top_id_lists[j][: counts[j]], top_value_lists[j][: counts[j]], strict=True))
         result[i] = TokenLogprobs(token_id, chosen[j], top)
     return result
+
+
+@torch.inference_mode()
+def prompt_logprobs(
+    logits: torch.Tensor, targets: Sequence[int], counts: Sequence[int]
+) -> list[TokenLogprobs]:
+    """Row i's entry: `targets[i]` (the prompt token after row i's position), its logprob
+    and rank under the raw distribution (log_softmax of the float32 logits, as `_logprobs`)
+    and the `counts[i]` most likely tokens, most likely first."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    target = _index(targets, logprobs.device)[:, None]
+    chosen = logprobs.gather(1, target)
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    top_values, top_ids = logprobs.topk(min(max(counts), logprobs.shape[1]), dim=-1)
+    entries = []
+    rows = zip(
+        targets, chosen[:, 0].tolist(), ranks, top_ids.tolist(), top_values.tolist(), counts,
+        strict=True,
+    )  # fmt: skip
+    for token_id, logprob, rank, ids, values, count in rows:
+        top = list(zip(ids[:count], values[:count], strict=True))
+        entries.append(TokenLogprobs(token_id, logprob, top, rank=rank))
+    return entries
