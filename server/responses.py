@@ -28,7 +28,14 @@ from server.conversation import render
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
 from server.handling import Handling, json_response
-from server.responses_input import as_chat_request, stored_items
+from server.protocol import ResponseToolCall
+from server.reasoning import (
+    ReasoningStream,
+    ReasoningSyntax,
+    reasoning_tokens,
+    split_reasoning,
+)
+from server.responses_input import as_chat_request, stored_items, thinking_variables
 from server.responses_output import Event, OutputItems, new_item_id
 from server.responses_protocol import (
     FunctionChoice,
@@ -67,7 +74,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             raise _not_found(body.previous_response_id, "previous_response_id")
         earlier = stored_items(stored.conversation, stored.response["output"])
     conversation = earlier + body.input_items()
-    chat_body = as_chat_request(body, conversation, first_new=len(earlier))
+    reasoning = state.reasoning_syntax()
+    variables = thinking_variables(body, reasoning, llm.chat_template)
+    chat_body = as_chat_request(body, conversation, len(earlier), variables)
     handling.check_tool_count(len(body.tools or ()))
     aliases = {
         "max_tokens": "max_output_tokens",
@@ -84,9 +93,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             chat_body.chat_template_kwargs,
             state.tool_calling,
         )
-        # No reasoning parser here yet: the reply is all answer (docs/responses.md).
-        prompt = await handling.chat_prompt(params, rendered, None, aliases, "input")
-    turn = _Turn(state, llm, body, prompt, rendered.tools, handling.deadline, owner, conversation)
+        prompt = await handling.chat_prompt(params, rendered, reasoning, aliases, "input")
+    turn = _Turn(
+        state, llm, body, prompt, rendered.tools, reasoning, handling.deadline, owner, conversation
+    )
     if body.stream:
         return handling.stream(1, turn.events)
     response = turn.response(await handling.run(1, turn.run))
@@ -125,13 +135,16 @@ def _not_found(response_id: str, param: str | None) -> OpenAIError:
 @dataclass(slots=True)
 class _Turn:
     """One validated response request over one rendered prompt; `conversation` is its
-    input items, those of the responses before it included (what a stored response keeps)."""
+    input items, those of the responses before it included (what a stored response keeps).
+    `reasoning`: how the model reasons (None: all of its text is the answer); tool calls
+    are read from the answer only."""
 
     state: ServerState
     llm: AsyncLLM
     body: ResponsesRequest
     prompt: EngineRequest
     tools: OfferedTools | None
+    reasoning: ReasoningSyntax | None
     deadline: Deadline | None
     owner: str
     conversation: list[InputItem]
@@ -146,11 +159,11 @@ class _Turn:
 
     def response(self, final: RequestOutput) -> ResponseObject:
         """The whole response, built as a stream builds it."""
-        output, splitter = OutputItems(), self._splitter()
+        reply = self._reply()
         [completion] = final.outputs
-        output.text(completion.text if splitter is None else splitter.feed(completion.text))
-        self._finish(output, splitter, completion)
-        return self._object(output.items, final)
+        reply.feed(completion.text)
+        reply.finish(completion)
+        return self._object(reply.output.items, final)
 
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:
         """The SSE stream in OpenAI's order: `response.created` and `.in_progress`, each
@@ -160,7 +173,8 @@ class _Turn:
         numbered = _Numbered()
         yield numbered.sse({"type": "response.created", "response": self._object([], None)})
         yield numbered.sse({"type": "response.in_progress", "response": self._object([], None)})
-        output, splitter = OutputItems(), self._splitter()
+        reply = self._reply()
+        output = reply.output
         whole: RequestOutput | None = None
         try:
             async for _, delta, latest in generate(
@@ -168,11 +182,10 @@ class _Turn:
             ):
                 whole = latest
                 for completion in delta.outputs:
-                    text = completion.text if splitter is None else splitter.feed(completion.text)
-                    for event in output.text(text):
+                    for event in reply.feed(completion.text):
                         yield numbered.sse(event)
                     if completion.finish_reason is not None:
-                        for event in self._finish(output, splitter, completion):
+                        for event in reply.finish(completion):
                             yield numbered.sse(event)
         except EngineError as exc:
             failed = self._failed(output.items, engine_failure(http_id, exc), "server_error")
@@ -197,16 +210,14 @@ class _Turn:
         ]
         await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
 
-    def _splitter(self) -> CallStream | None:
-        """The splitter of the reply's text into content and calls, if tools are on."""
-        return None if self.tools is None else self.tools.stream()
-
-    def _finish(
-        self, output: OutputItems, splitter: CallStream | None, completion: CompletionOutput
-    ) -> list[Event]:
-        rest, calls = ("", []) if splitter is None else splitter.finish()
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        return output.finish(rest, calls, status)
+    def _reply(self) -> _Reply:
+        """The builder of the reply's items, splitting off its reasoning (if the model
+        reasons) and its calls (if tools are on)."""
+        ids = self.prompt.prompt_token_ids
+        return _Reply(
+            None if self.reasoning is None else self.reasoning.stream(ids),
+            None if self.tools is None else self.tools.stream(),
+        )
 
     def _object(self, items: list[OutputItem], final: RequestOutput | None) -> ResponseObject:
         """The response with `items`: in progress until `final`, the finished output."""
@@ -214,7 +225,8 @@ class _Turn:
         status, usage, now = "in_progress", None, None
         if final is not None:
             cut = final.outputs[0].finish_reason == "length"
-            status, usage, now = ("incomplete" if cut else "completed"), _usage(final), time.time()
+            usage = self._usage(final)
+            status, now = ("incomplete" if cut else "completed"), time.time()
         choice = body.tool_choice
         return ResponseObject(
             id=self.response_id,
@@ -240,6 +252,28 @@ class _Turn:
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
             usage=usage,
             metadata=body.metadata,
+            reasoning=None
+            if body.reasoning is None
+            else body.reasoning.model_dump(exclude_none=True),
+        )
+
+    def _usage(self, final: RequestOutput) -> ResponseUsage:
+        """`final`'s usage; its reasoning tokens counted where the model reasons."""
+        usage = count_usage([final])
+        thought = 0
+        if self.reasoning is not None:
+            [completion] = final.outputs
+            ids = self.prompt.prompt_token_ids
+            reasoning, answer = split_reasoning(self.reasoning, ids, completion.text)
+            thought = reasoning_tokens(self.reasoning, completion.token_ids, reasoning, answer)
+        return ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=usage.prompt_tokens_details.cached_tokens
+            ),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=thought),
+            total_tokens=usage.total_tokens,
         )
 
     def _failed(self, items: list[OutputItem], error: OpenAIError, code: str) -> ResponseObject:
@@ -249,17 +283,36 @@ class _Turn:
         return failed
 
 
-def _usage(final: RequestOutput) -> ResponseUsage:
-    usage = count_usage([final])
-    return ResponseUsage(
-        input_tokens=usage.prompt_tokens,
-        input_tokens_details=InputTokensDetails(
-            cached_tokens=usage.prompt_tokens_details.cached_tokens
-        ),
-        output_tokens=usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(),
-        total_tokens=usage.total_tokens,
-    )
+class _Reply:
+    """One reply's text made into output items (`output`) as it comes: split into its
+    reasoning and its answer (with `thoughts`, when the model reasons), the answer into
+    text and calls (with `calls`, when tools are on). Fed the whole text at once, it
+    builds the items it builds piece by piece."""
+
+    def __init__(self, thoughts: ReasoningStream | None, calls: CallStream | None) -> None:
+        self.output = OutputItems()
+        self._thoughts = thoughts
+        self._calls = calls
+
+    def feed(self, text: str) -> list[Event]:
+        """The events of this much more of the reply's text."""
+        reasoning, answer = ("", text) if self._thoughts is None else self._thoughts.feed(text)
+        events = self.output.reasoning(reasoning)
+        return events + self.output.text(
+            answer if self._calls is None else self._calls.feed(answer)
+        )
+
+    def finish(self, completion: CompletionOutput) -> list[Event]:
+        """The events that end the reply: its held-back text, then its calls."""
+        reasoning, rest = ("", "") if self._thoughts is None else self._thoughts.finish()
+        events = self.output.reasoning(reasoning)
+        calls: list[ResponseToolCall] = []
+        if self._calls is not None:
+            rest = self._calls.feed(rest)
+            more, calls = self._calls.finish()
+            rest += more
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        return events + self.output.finish(rest, calls, status)
 
 
 class _Numbered:
