@@ -4,7 +4,7 @@ A thin adapter over chat's path: the request becomes the chat completion request
 asks the same (`responses_input.as_chat_request`), rendered by the chat template and run
 with chat's tool grammar and parser, on the one engine path (intake, admission, the
 sample's stops, sampling). What differs is the shape of the answer: output items and
-their stream events (`responses_output.OutputItems`), and the state: a response is kept
+their stream events (`responses_output.Reply`), and the state: a response is kept
 (`store`, true unless false) in the SQLite store of `server.response_store`, for later
 requests' `previous_response_id` and for GET, as its API key's alone.
 """
@@ -28,15 +28,9 @@ from server.conversation import render
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
 from server.handling import Handling, json_response
-from server.protocol import ResponseToolCall
-from server.reasoning import (
-    ReasoningStream,
-    ReasoningSyntax,
-    reasoning_tokens,
-    split_reasoning,
-)
+from server.reasoning import ReasoningSyntax, reasoning_tokens, split_reasoning
 from server.responses_input import as_chat_request, stored_items, thinking_variables
-from server.responses_output import Event, OutputItems, new_item_id
+from server.responses_output import Event, Reply, new_item_id
 from server.responses_protocol import (
     FunctionChoice,
     IncompleteDetails,
@@ -50,11 +44,11 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.tool_calling import CallStream, OfferedTools, ToolRequest
+from server.tool_calling import OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
-    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.outputs import RequestOutput
     from engine.request.intake import EngineRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -210,11 +204,11 @@ class _Turn:
         ]
         await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
 
-    def _reply(self) -> _Reply:
+    def _reply(self) -> Reply:
         """The builder of the reply's items, splitting off its reasoning (if the model
         reasons) and its calls (if tools are on)."""
         ids = self.prompt.prompt_token_ids
-        return _Reply(
+        return Reply(
             None if self.reasoning is None else self.reasoning.stream(ids),
             None if self.tools is None else self.tools.stream(),
         )
@@ -281,38 +275,6 @@ class _Turn:
         failed.status = "failed"
         failed.error = ResponseError(code=code, message=error.message)
         return failed
-
-
-class _Reply:
-    """One reply's text made into output items (`output`) as it comes: split into its
-    reasoning and its answer (with `thoughts`, when the model reasons), the answer into
-    text and calls (with `calls`, when tools are on). Fed the whole text at once, it
-    builds the items it builds piece by piece."""
-
-    def __init__(self, thoughts: ReasoningStream | None, calls: CallStream | None) -> None:
-        self.output = OutputItems()
-        self._thoughts = thoughts
-        self._calls = calls
-
-    def feed(self, text: str) -> list[Event]:
-        """The events of this much more of the reply's text."""
-        reasoning, answer = ("", text) if self._thoughts is None else self._thoughts.feed(text)
-        events = self.output.reasoning(reasoning)
-        return events + self.output.text(
-            answer if self._calls is None else self._calls.feed(answer)
-        )
-
-    def finish(self, completion: CompletionOutput) -> list[Event]:
-        """The events that end the reply: its held-back text, then its calls."""
-        reasoning, rest = ("", "") if self._thoughts is None else self._thoughts.finish()
-        events = self.output.reasoning(reasoning)
-        calls: list[ResponseToolCall] = []
-        if self._calls is not None:
-            rest = self._calls.feed(rest)
-            more, calls = self._calls.finish()
-            rest += more
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        return events + self.output.finish(rest, calls, status)
 
 
 class _Numbered:

@@ -8,15 +8,18 @@ The reasoning becomes one `reasoning` item, opened at its first text and streame
 `output_text` deltas (the reasoning item is closed when the text begins: the reasoning
 always comes first); the calls, read whole once the reply ends, one `function_call` item
 each, after the message. A reply with neither text nor calls has an empty message.
+`Reply` splits a reply's text so (server/reasoning.py, then the tool-call parser) and
+makes its items with `OutputItems`.
 """
 
 from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from server.protocol import ResponseToolCall
+from server.reasoning import ReasoningStream
 from server.responses_protocol import (
     ItemStatus,
     OutputFunctionCall,
@@ -26,6 +29,10 @@ from server.responses_protocol import (
     OutputReasoningText,
     OutputText,
 )
+
+if TYPE_CHECKING:
+    from engine.outputs import CompletionOutput
+    from server.tool_calling import CallStream
 
 Event = dict[str, Any]  # a stream event without its sequence number
 Part = OutputText | OutputReasoningText
@@ -160,6 +167,38 @@ class OutputItems:
 
     def _where(self, item: OutputItem) -> dict[str, Any]:
         return {"item_id": item.id, **self._index(item)}
+
+
+class Reply:
+    """One reply's text made into output items (`output`) as it comes: split into its
+    reasoning and its answer (with `thoughts`, when the model reasons), the answer into
+    text and calls (with `calls`, when tools are on). Fed the whole text at once, it
+    builds the items it builds piece by piece."""
+
+    def __init__(self, thoughts: ReasoningStream | None, calls: CallStream | None) -> None:
+        self.output = OutputItems()
+        self._thoughts = thoughts
+        self._calls = calls
+
+    def feed(self, text: str) -> list[Event]:
+        """The events of this much more of the reply's text."""
+        reasoning, answer = ("", text) if self._thoughts is None else self._thoughts.feed(text)
+        events = self.output.reasoning(reasoning)
+        return events + self.output.text(
+            answer if self._calls is None else self._calls.feed(answer)
+        )
+
+    def finish(self, completion: CompletionOutput) -> list[Event]:
+        """The events that end the reply: its held-back text, then its calls."""
+        reasoning, rest = ("", "") if self._thoughts is None else self._thoughts.finish()
+        events = self.output.reasoning(reasoning)
+        calls: list[ResponseToolCall] = []
+        if self._calls is not None:
+            rest = self._calls.feed(rest)
+            more, calls = self._calls.finish()
+            rest += more
+        status = "incomplete" if completion.finish_reason == "length" else "completed"
+        return events + self.output.finish(rest, calls, status)
 
 
 def _logprobs(kind: str) -> dict[str, Any]:
