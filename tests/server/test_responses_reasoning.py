@@ -1,7 +1,7 @@
 """Reasoning on /v1/responses, through the official openai SDK against a live tiny Qwen3
 with Qwen3's own chat template: the reply's reasoning as a `reasoning` item before the
 message (streamed as `reasoning_text` events), counted in `reasoning_tokens`, sent back
-and stored; `text.format` holds the answer only; `reasoning.effort`
+and stored; tool calls and `text.format` hold the answer only; `reasoning.effort`
 `none` turns the thinking off. The template opens `<think>` itself (as Qwen3's
 thinking-only models' do) and the random weights write `</think>` where they would write
 one ordinary token: structure is judged, not wisdom."""
@@ -48,9 +48,10 @@ def user(text: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def thinking_model(qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Qwen3 with the assistant's turn opened in `<think>`, whose `</think>` is
-    scored a little above the token it greedily writes `CLOSER_AT`-th in reply to `ASK`,
-    and `{` above the one it writes after that `</think>` (so that a JSON answer begins
-    at once, not after the whitespace its grammar allows there)."""
+    scored a little above the token it greedily writes `CLOSER_AT`-th in reply to `ASK`;
+    `{` above the one it writes after that `</think>`, and `<` above a carriage return
+    (its choice there when offered a tool), so that a JSON answer or a forced call begins
+    at once, not after the whitespace that the grammar allows after the thinking."""
     folder = tmp_path_factory.mktemp("tiny-qwen3-thinking")
     tokenizer = AutoTokenizer.from_pretrained(qwen3_model)
     opener = "{{- '<|im_start|>assistant\\n' }}"
@@ -67,6 +68,8 @@ def thinking_model(qwen3_model: Path, tmp_path_factory: pytest.TempPathFactory) 
         after = model.generate(reply, max_new_tokens=1, do_sample=False)
         [brace] = tokenizer.encode("{")
         head[brace] = head[int(after[0, -1])] * 1.05
+        [lt], [cr] = tokenizer.encode("<"), tokenizer.encode("\r")
+        head[lt] = head[cr] * 1.05
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -177,7 +180,15 @@ def test_reasoning_sent_back_and_stored(api: openai.OpenAI) -> None:
     assert [item.type for item in second.output] == ["reasoning", "message"]
 
 
-def test_a_format_holds_the_answer_only(api: openai.OpenAI) -> None:
+def test_calls_and_formats_hold_the_answer_only(api: openai.OpenAI) -> None:
+    tools = [{"type": "function", "name": "paint", "parameters": COLOUR}]
+    called = create(
+        api, tools=tools, tool_choice="required", parallel_tool_calls=False, max_output_tokens=80
+    )
+    reasoning, call = called.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text
+    assert (call.type, call.name) == ("function_call", "paint")
+    assert json.loads(call.arguments)["colour"] in ("red", "blue")
     fmt = {"format": {"type": "json_schema", "name": "colour", "schema": COLOUR}}
     formatted = create(api, text=fmt, max_output_tokens=80)
     assert [item.type for item in formatted.output] == ["reasoning", "message"]
