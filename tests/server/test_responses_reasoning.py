@@ -122,6 +122,13 @@ def test_reasoning_item_then_the_message(api: openai.OpenAI) -> None:
     # the thinking, `</think>` included, is CLOSER_AT of the reply's tokens
     details = response.usage.output_tokens_details
     assert details.reasoning_tokens == CLOSER_AT < response.usage.output_tokens
+    # cut short inside the thinking: all of the reply is reasoning, and incomplete
+    cut = create(api, max_output_tokens=1)
+    assert [(item.type, item.status) for item in cut.output] == [
+        ("reasoning", "incomplete"),
+        ("message", "incomplete"),
+    ]
+    assert cut.output_text == "" and cut.usage.output_tokens_details.reasoning_tokens == 1
 
 
 def test_streamed_events_build_the_same_response(api: openai.OpenAI) -> None:
