@@ -147,6 +147,23 @@ def split_reasoning(
     return (reasoning + more_reasoning) or None, answer + more_answer
 
 
+def reasoning_tokens(
+    syntax: ReasoningSyntax, token_ids: Sequence[int], reasoning: str | None, answer: str
+) -> int:
+    """How many of a whole reply's tokens (`token_ids`, split into `reasoning` and
+    `answer`) are its reasoning: none without reasoning; those up to its first `</think>`
+    token, that one included; all of them for a reply with no answer (cut short inside
+    its reasoning, or answering nothing after it); else, where the tokenizer spells
+    `</think>` in pieces, the reasoning's share of the text's characters, rounded."""
+    if reasoning is None:
+        return 0
+    if syntax.end_id is not None and syntax.end_id in token_ids:
+        return list(token_ids).index(syntax.end_id) + 1
+    if not answer:
+        return len(token_ids)
+    return round(len(token_ids) * len(reasoning) / (len(reasoning) + len(answer)))
+
+
 def _partial_suffix(text: str, marker: str) -> int:
     """How many characters at the end of `text` begin `marker`."""
     for length in range(min(len(marker) - 1, len(text)), 0, -1):

@@ -4,7 +4,7 @@ A thin adapter over chat's path: the request becomes the chat completion request
 asks the same (`responses_input.as_chat_request`), rendered by the chat template and run
 with chat's tool grammar and parser, on the one engine path (intake, admission, the
 sample's stops, sampling). What differs is the shape of the answer: output items and
-their stream events (`responses_output.OutputItems`), and the state: a response is kept
+their stream events (`responses_output.Reply`), and the state: a response is kept
 (`store`, true unless false) in the SQLite store of `server.response_store`, for later
 requests' `previous_response_id` and for GET, as its API key's alone.
 """
@@ -28,8 +28,9 @@ from server.conversation import render
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.generation import count_usage, final_outputs, generate
 from server.handling import Handling, json_response
-from server.responses_input import as_chat_request, stored_items
-from server.responses_output import Event, OutputItems, new_item_id
+from server.reasoning import ReasoningSyntax, reasoning_tokens, split_reasoning
+from server.responses_input import as_chat_request, stored_items, thinking_variables
+from server.responses_output import Event, Reply, new_item_id
 from server.responses_protocol import (
     FunctionChoice,
     IncompleteDetails,
@@ -43,11 +44,11 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.tool_calling import CallStream, OfferedTools, ToolRequest
+from server.tool_calling import OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
-    from engine.outputs import CompletionOutput, RequestOutput
+    from engine.outputs import RequestOutput
     from engine.request.intake import EngineRequest
 
 router = APIRouter(dependencies=[Depends(require_api_key)])
@@ -67,7 +68,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             raise _not_found(body.previous_response_id, "previous_response_id")
         earlier = stored_items(stored.conversation, stored.response["output"])
     conversation = earlier + body.input_items()
-    chat_body = as_chat_request(body, conversation, first_new=len(earlier))
+    reasoning = state.reasoning_syntax()
+    variables = thinking_variables(body, reasoning, llm.chat_template)
+    chat_body = as_chat_request(body, conversation, len(earlier), variables)
     handling.check_tool_count(len(body.tools or ()))
     aliases = {
         "max_tokens": "max_output_tokens",
@@ -84,9 +87,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             chat_body.chat_template_kwargs,
             state.tool_calling,
         )
-        # No reasoning parser here yet: the reply is all answer (docs/responses.md).
-        prompt = await handling.chat_prompt(params, rendered, None, aliases, "input")
-    turn = _Turn(state, llm, body, prompt, rendered.tools, handling.deadline, owner, conversation)
+        prompt = await handling.chat_prompt(params, rendered, reasoning, aliases, "input")
+    turn = _Turn(
+        state, llm, body, prompt, rendered.tools, reasoning, handling.deadline, owner, conversation
+    )
     if body.stream:
         return handling.stream(1, turn.events)
     response = turn.response(await handling.run(1, turn.run))
@@ -125,13 +129,16 @@ def _not_found(response_id: str, param: str | None) -> OpenAIError:
 @dataclass(slots=True)
 class _Turn:
     """One validated response request over one rendered prompt; `conversation` is its
-    input items, those of the responses before it included (what a stored response keeps)."""
+    input items, those of the responses before it included (what a stored response keeps).
+    `reasoning`: how the model reasons (None: all of its text is the answer); tool calls
+    are read from the answer only."""
 
     state: ServerState
     llm: AsyncLLM
     body: ResponsesRequest
     prompt: EngineRequest
     tools: OfferedTools | None
+    reasoning: ReasoningSyntax | None
     deadline: Deadline | None
     owner: str
     conversation: list[InputItem]
@@ -146,11 +153,11 @@ class _Turn:
 
     def response(self, final: RequestOutput) -> ResponseObject:
         """The whole response, built as a stream builds it."""
-        output, splitter = OutputItems(), self._splitter()
+        reply = self._reply()
         [completion] = final.outputs
-        output.text(completion.text if splitter is None else splitter.feed(completion.text))
-        self._finish(output, splitter, completion)
-        return self._object(output.items, final)
+        reply.feed(completion.text)
+        reply.finish(completion)
+        return self._object(reply.output.items, final)
 
     async def events(self, http_id: str) -> AsyncGenerator[str, None]:
         """The SSE stream in OpenAI's order: `response.created` and `.in_progress`, each
@@ -160,7 +167,8 @@ class _Turn:
         numbered = _Numbered()
         yield numbered.sse({"type": "response.created", "response": self._object([], None)})
         yield numbered.sse({"type": "response.in_progress", "response": self._object([], None)})
-        output, splitter = OutputItems(), self._splitter()
+        reply = self._reply()
+        output = reply.output
         whole: RequestOutput | None = None
         try:
             async for _, delta, latest in generate(
@@ -168,11 +176,10 @@ class _Turn:
             ):
                 whole = latest
                 for completion in delta.outputs:
-                    text = completion.text if splitter is None else splitter.feed(completion.text)
-                    for event in output.text(text):
+                    for event in reply.feed(completion.text):
                         yield numbered.sse(event)
                     if completion.finish_reason is not None:
-                        for event in self._finish(output, splitter, completion):
+                        for event in reply.finish(completion):
                             yield numbered.sse(event)
         except EngineError as exc:
             failed = self._failed(output.items, engine_failure(http_id, exc), "server_error")
@@ -197,16 +204,14 @@ class _Turn:
         ]
         await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
 
-    def _splitter(self) -> CallStream | None:
-        """The splitter of the reply's text into content and calls, if tools are on."""
-        return None if self.tools is None else self.tools.stream()
-
-    def _finish(
-        self, output: OutputItems, splitter: CallStream | None, completion: CompletionOutput
-    ) -> list[Event]:
-        rest, calls = ("", []) if splitter is None else splitter.finish()
-        status = "incomplete" if completion.finish_reason == "length" else "completed"
-        return output.finish(rest, calls, status)
+    def _reply(self) -> Reply:
+        """The builder of the reply's items, splitting off its reasoning (if the model
+        reasons) and its calls (if tools are on)."""
+        ids = self.prompt.prompt_token_ids
+        return Reply(
+            None if self.reasoning is None else self.reasoning.stream(ids),
+            None if self.tools is None else self.tools.stream(),
+        )
 
     def _object(self, items: list[OutputItem], final: RequestOutput | None) -> ResponseObject:
         """The response with `items`: in progress until `final`, the finished output."""
@@ -214,7 +219,8 @@ class _Turn:
         status, usage, now = "in_progress", None, None
         if final is not None:
             cut = final.outputs[0].finish_reason == "length"
-            status, usage, now = ("incomplete" if cut else "completed"), _usage(final), time.time()
+            usage = self._usage(final)
+            status, now = ("incomplete" if cut else "completed"), time.time()
         choice = body.tool_choice
         return ResponseObject(
             id=self.response_id,
@@ -240,6 +246,28 @@ class _Turn:
             tools=[tool.model_dump(exclude_none=True) for tool in body.tools or []],
             usage=usage,
             metadata=body.metadata,
+            reasoning=None
+            if body.reasoning is None
+            else body.reasoning.model_dump(exclude_none=True),
+        )
+
+    def _usage(self, final: RequestOutput) -> ResponseUsage:
+        """`final`'s usage; its reasoning tokens counted where the model reasons."""
+        usage = count_usage([final])
+        thought = 0
+        if self.reasoning is not None:
+            [completion] = final.outputs
+            ids = self.prompt.prompt_token_ids
+            reasoning, answer = split_reasoning(self.reasoning, ids, completion.text)
+            thought = reasoning_tokens(self.reasoning, completion.token_ids, reasoning, answer)
+        return ResponseUsage(
+            input_tokens=usage.prompt_tokens,
+            input_tokens_details=InputTokensDetails(
+                cached_tokens=usage.prompt_tokens_details.cached_tokens
+            ),
+            output_tokens=usage.completion_tokens,
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=thought),
+            total_tokens=usage.total_tokens,
         )
 
     def _failed(self, items: list[OutputItem], error: OpenAIError, code: str) -> ResponseObject:
@@ -247,19 +275,6 @@ class _Turn:
         failed.status = "failed"
         failed.error = ResponseError(code=code, message=error.message)
         return failed
-
-
-def _usage(final: RequestOutput) -> ResponseUsage:
-    usage = count_usage([final])
-    return ResponseUsage(
-        input_tokens=usage.prompt_tokens,
-        input_tokens_details=InputTokensDetails(
-            cached_tokens=usage.prompt_tokens_details.cached_tokens
-        ),
-        output_tokens=usage.completion_tokens,
-        output_tokens_details=OutputTokensDetails(),
-        total_tokens=usage.total_tokens,
-    )
 
 
 class _Numbered:

@@ -8,7 +8,9 @@ system message in front (they are never carried over from an earlier response, a
 OpenAI's API). Items map onto chat messages: a message onto a message of its role,
 function calls onto one assistant message's `tool_calls` (the one with the text before
 them, when the model wrote both), an output onto a `tool` message. Reasoning items stay
-in the conversation but are not rendered (see docs/responses.md).
+in the conversation but are not rendered, as reasoning models' chat templates leave out
+the reasoning of earlier turns (see docs/responses.md). `reasoning` is honoured where it
+can be (`thinking_variables`) and refused by name where not.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any
 
 from server.errors import invalid_request
 from server.protocol import ChatCompletionRequest
+from server.reasoning import ReasoningSyntax
 from server.responses_protocol import (
     INPUT_ITEMS,
     FunctionCallItem,
@@ -35,12 +38,52 @@ def stored_items(
     return INPUT_ITEMS.validate_python(conversation + output)
 
 
+# The efforts that turn thinking off; no other effort can be told from the model's own.
+_THINKING_OFF = ("none", "minimal")
+
+
+def thinking_variables(
+    body: ResponsesRequest, syntax: ReasoningSyntax | None, chat_template: str | None
+) -> dict[str, Any] | None:
+    """The chat template variables that honour `body.reasoning` (`enable_thinking`
+    false for an effort of `none` or `minimal`; none otherwise). A 400 names what cannot
+    be honoured: any `reasoning` for a model that does not reason (`syntax` None), an
+    effort that turns thinking off where the template cannot (it reads no
+    `enable_thinking`), any other effort (how much a model thinks is its own doing)."""
+    asked = body.reasoning
+    if asked is None:
+        return None
+    if syntax is None:
+        reason = "this server's model does not reason, so reasoning settings do not apply"
+        raise invalid_request(f"reasoning: not supported: {reason}", "reasoning")
+    if asked.effort is None:
+        return None
+    if asked.effort not in _THINKING_OFF:
+        reason = (
+            "how much the model reasons is its own doing; leave effort out, or send "
+            "'none' or 'minimal' to turn its thinking off"
+        )
+        raise invalid_request(
+            f"reasoning.effort: {asked.effort!r} is not supported: {reason}", "reasoning.effort"
+        )
+    if "enable_thinking" not in (chat_template or ""):
+        reason = "the model's chat template cannot turn its thinking off (enable_thinking)"
+        raise invalid_request(
+            f"reasoning.effort: {asked.effort!r} is not supported: {reason}", "reasoning.effort"
+        )
+    return {"enable_thinking": False}
+
+
 def as_chat_request(
-    body: ResponsesRequest, items: list[InputItem], first_new: int
+    body: ResponsesRequest,
+    items: list[InputItem],
+    first_new: int,
+    variables: dict[str, Any] | None = None,
 ) -> ChatCompletionRequest:
     """The chat request for `body` over the conversation `items`, of which those from
-    `first_new` on are the request's `input`. A 400 names the input item at fault: an
-    output whose call is nowhere before it, or an empty conversation."""
+    `first_new` on are the request's `input`, with the chat template's `variables`
+    (`thinking_variables`). A 400 names the input item at fault: an output whose call is
+    nowhere before it, or an empty conversation."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
@@ -82,6 +125,7 @@ def as_chat_request(
             "parallel_tool_calls": body.parallel_tool_calls,
             "response_format": _response_format(body),
             "priority": body.priority,
+            "chat_template_kwargs": variables,
         }
     )
 

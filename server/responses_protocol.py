@@ -3,7 +3,8 @@
 response object (constructed).
 
 Supported: `input` as text or as items (messages, function calls and their outputs,
-reasoning), `instructions`, function `tools` with `tool_choice` and
+reasoning), `reasoning` (checked against the served model by `server.responses_input`),
+`instructions`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `store`, `previous_response_id`,
 `metadata`. Fields OpenAI defines that this server cannot honour are refused by name
@@ -26,7 +27,6 @@ UNSUPPORTED_RESPONSES_FIELDS: dict[str, str] = {
     "background": "background responses are not implemented",
     "conversation": "conversation objects are not implemented; use previous_response_id",
     "prompt": "stored prompt templates are not implemented",
-    "reasoning": "this server's model does not reason, so reasoning settings do not apply",
     "max_tool_calls": "a cap on built-in tool calls does not apply: function tools only",
     "top_logprobs": "logprobs are not implemented on /v1/responses",
     "context_management": "context management (compaction) is not implemented",
@@ -185,6 +185,23 @@ class TextFormat(_Request):
         return self
 
 
+class ReasoningConfig(_Request):
+    """`reasoning`. Invariant: it asks for no summary (none is written); whether the served
+    model can honour the rest is checked at request time (`responses_input`)."""
+
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None
+    context: Literal["auto", "current_turn"] | None = None
+
+    @model_validator(mode="after")
+    def _no_summary(self) -> ReasoningConfig:
+        for name in ("summary", "generate_summary"):
+            if getattr(self, name) is not None:
+                raise field_error(name, "not supported: no reasoning summaries are written")
+        return self
+
+
 class TextConfig(_Request):
     format: TextFormat | None = None
 
@@ -207,6 +224,7 @@ class ResponsesRequest(_Body):
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     truncation: Literal["disabled"] | None = None
     include: list[str] | None = None
     metadata: dict[str, str] | None = None
@@ -304,7 +322,22 @@ class OutputFunctionCall(_Response):
     arguments: str
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoningText(_Response):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(_Response):
+    """The reply's reasoning (server/reasoning.py), as its text: no summary is written."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[Any] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(_Response):
@@ -350,7 +383,7 @@ class ResponseObject(_Response):
     output: list[OutputItem]
     parallel_tool_calls: bool
     previous_response_id: str | None
-    reasoning: None = None
+    reasoning: dict[str, Any] | None = None
     store: bool
     temperature: float
     top_p: float

@@ -15,11 +15,15 @@ import openai
 import pytest
 import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.app import build_app
 from server.config import ServeConfig
+from server.reasoning import END, START
+from tests.tiny_models import build_model
 
 READY_TIMEOUT = 120.0
+QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
 # The default model's servers: the shipped defaults, except that the KV cache does not
 # claim 90% of the test machine's RAM. One setting for all of them, because the compiled
 # forward's key holds the KV cache's shape: the first server compiles, the others load.
@@ -97,3 +101,18 @@ def tiny_server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
     config = tiny_config(tiny_model_paths["llama"], served_model_name="tiny")
     with live_server(config) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Qwen3 with Qwen3's chat template and its `<think>`, `</think>`,
+    `<tool_call>` and `</tool_call>` tokens, which decode as text."""
+    folder = build_model(tmp_path_factory.mktemp("tiny-qwen3-reasoning"), "qwen3")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_tokens([START, END, "<tool_call>", "</tool_call>"])
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.resize_token_embeddings(len(tokenizer))
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder

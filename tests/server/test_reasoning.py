@@ -22,10 +22,9 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.reasoning import END, START, ReasoningStream, ReasoningSyntax, split_reasoning
-from tests.server.conftest import client, live_server, tiny_config
-from tests.tiny_models import CHAT_TEMPLATE, build_model
+from tests.server.conftest import QWEN3_TEMPLATE, client, live_server, tiny_config
+from tests.tiny_models import CHAT_TEMPLATE
 
-QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
 QWEN3 = ReasoningSyntax(always_open=False)
 DEEPSEEK_R1 = ReasoningSyntax(always_open=True)
 
@@ -82,21 +81,6 @@ def test_the_parser_a_template_picks() -> None:
     assert auto.opens_in_reasoning([1, 2, 7, 10])
     assert not auto.opens_in_reasoning([1, 7, 10, 8, 10])
     assert not auto.opens_in_reasoning([7, 1, 2, 3, 4])
-
-
-@pytest.fixture(scope="module")
-def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny Qwen3 with Qwen3's chat template and its `<think>`, `</think>`,
-    `<tool_call>` and `</tool_call>` tokens, which decode as text."""
-    folder = build_model(tmp_path_factory.mktemp("tiny-qwen3-reasoning"), "qwen3")
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    tokenizer.add_tokens([START, END, "<tool_call>", "</tool_call>"])
-    tokenizer.chat_template = QWEN3_TEMPLATE
-    model = AutoModelForCausalLM.from_pretrained(folder)
-    model.resize_token_embeddings(len(tokenizer))
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
