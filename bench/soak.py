@@ -353,7 +353,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--disconnect-fraction must be in [0, 1]")
     if args.url is not None and not is_loopback(args.url):
         parser.error("--url must be a loopback address (127.0.0.0/8, ::1 or localhost)")
-    args.ignore_eos = True  # read by Benchmark.body: every request runs to its max_tokens
+    # read by Benchmark.body: every request runs to its max_tokens, on random prompts, with
+    # the server's default repetition penalty
+    args.ignore_eos, args.workload, args.repetition_penalty = True, "random", None
     return args
 
 

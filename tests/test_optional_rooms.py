@@ -111,11 +111,20 @@ print(json.dumps({"statuses": statuses, "imported": imported}))
 """
 
 
+# An editable install of the project (`pip install -e .`, as `make setup` does) finds a
+# top-level package's direct children in the checkout when the copy lacks them, so the
+# scripts drop its finder first: a removed room must stay removed.
+NO_EDITABLE_FINDER = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "_Editable" not in getattr(f, "__name__", "")]
+"""
+
+
 def run_script(script: str, cwd: Path, *args: str) -> dict:
-    """The JSON that `script` prints last, run by this Python in `cwd` with `args`."""
+    """The JSON that `script` prints last, run by this Python in `cwd` with `args`, with
+    only `cwd`'s copy of the project importable."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
-        [sys.executable, "-c", script, *args],
+        [sys.executable, "-c", NO_EDITABLE_FINDER + script, *args],
         cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-import engine.llm_engine
 from engine import LLM, SamplingParams
+from engine.linears import packed_linear
 from engine.linears.bf16_linear import Bf16Linear
 from engine.linears.packed_linear import (
     MIN_ROWS,
@@ -193,7 +193,7 @@ def test_bf16_engine_packs_and_generates_as_unpacked(
     packed_llm, packed = generate()
     kind = Bf16Linear if bf16_kernel.unavailable_reason() is None else PackedLinear
     assert any(isinstance(m, kind) for m in packed_llm.engine.model.modules())
-    monkeypatch.setattr(engine.llm_engine, "can_pack", lambda device, dtype: False)
+    monkeypatch.setattr(packed_linear, "can_pack", lambda device, dtype: False)
     plain_llm, plain = generate()
     assert not any(isinstance(m, kind) for m in plain_llm.engine.model.modules())
     assert packed == plain
