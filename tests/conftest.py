@@ -40,13 +40,10 @@ def default_model():
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
 
 
-@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), each test file
     runs whole on one worker, so that a module's fixtures (a server, an engine) start once,
-    and the scale-out tests share one worker, so that one Ray cluster serves them. First
-    among the hooks: xdist's worker reads the groups in its own hook, registered after this
-    file, which pluggy would otherwise call first (and then no test had a group)."""
+    and the scale-out tests share one worker, so that one Ray cluster serves them."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     root = Path(__file__).parent
