@@ -40,10 +40,14 @@ def default_model():
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under pytest-xdist (`make test` runs two workers, `--dist loadgroup`), each test file
     runs whole on one worker, so that a module's fixtures (a server, an engine) start once,
-    and the scale-out tests share one worker, so that one Ray cluster serves them."""
+    and the scale-out tests share one worker, so that one Ray cluster serves them. First
+    among the hooks: xdist's worker reads the groups in its own, and which of the two
+    pluggy calls first otherwise depends on the order they were registered in (seen both
+    ways; the late one groups nothing)."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     root = Path(__file__).parent
