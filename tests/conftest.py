@@ -55,6 +55,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         path = item.path.relative_to(root)
         group = path.parts[0] if path.parts[0] == "scale_out" else str(path)
         item.add_marker(pytest.mark.xdist_group(group))
+    # The workers take files in this order: the slow ones (the real model, servers,
+    # compiles) first, so that the last minutes are small files filling both workers
+    # rather than one long file running on one while the other idles. Stable: a file's
+    # tests keep their order.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 def pytest_configure(config: pytest.Config) -> None:
