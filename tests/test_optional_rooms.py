@@ -13,17 +13,12 @@ And with every room in place, requests that do not use tools do not import the t
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from engine import LLM, SamplingParams
+from tests.core_copy import ROOT, copy_core, run_script
 
-ROOT = Path(__file__).parents[1]
 ROOMS = (
     "engine/compiled",
     "engine/linears",
@@ -111,26 +106,6 @@ print(json.dumps({"statuses": statuses, "imported": imported}))
 """
 
 
-# An editable install of the project (`pip install -e .`, as `make setup` does) finds a
-# top-level package's direct children in the checkout when the copy lacks them, so the
-# scripts drop its finder first: a removed room must stay removed.
-NO_EDITABLE_FINDER = """import sys
-sys.meta_path[:] = [f for f in sys.meta_path if "_Editable" not in getattr(f, "__name__", "")]
-"""
-
-
-def run_script(script: str, cwd: Path, *args: str) -> dict:
-    """The JSON that `script` prints last, run by this Python in `cwd` with `args`, with
-    only `cwd`'s copy of the project importable."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "-c", NO_EDITABLE_FINDER + script, *args],
-        cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    return json.loads(result.stdout.splitlines()[-1])
-
-
 @pytest.mark.slow
 def test_requests_without_tools_leave_the_tools_room_unimported(tiny_model_paths) -> None:
     got = run_script(WITHOUT_TOOLS, ROOT, str(tiny_model_paths["llama"]), json.dumps(TOOL))
@@ -141,11 +116,7 @@ def test_requests_without_tools_leave_the_tools_room_unimported(tiny_model_paths
 
 @pytest.mark.slow
 def test_the_core_serves_with_every_optional_room_removed(tiny_model_paths, tmp_path) -> None:
-    for package in ("engine", "scheduler", "cache", "server"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
-    for room in ROOMS:
-        path = tmp_path / room
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
+    copy_core(tmp_path, ("engine", "scheduler", "cache", "server"), ROOMS)
     model = str(tiny_model_paths["llama"])
     got = run_script(WITHOUT_ROOMS, tmp_path, model, PROMPT, json.dumps(TOOL))
     refusals = got["refusals"]

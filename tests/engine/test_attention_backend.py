@@ -5,11 +5,6 @@ optional rooms (the C++ kernel's and the Triton kernels' files removed)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,11 +14,11 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.model.attention_backend import BACKENDS, choose_backend, unavailable_reason
 from engine.model.torch_attention import TorchAttention, blockwise_attention, gathered_attention
+from tests.core_copy import copy_core, run_script
 from tests.engine.test_model_coverage import build
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
-ROOT = Path(__file__).parents[2]
 
 
 def test_a_named_backend_that_cannot_run_is_a_config_error_naming_the_setting() -> None:
@@ -103,19 +98,14 @@ print(json.dumps({"backend": llm.engine.attention.backend.name, "tokens": tokens
 def test_the_engine_runs_with_the_optional_rooms_removed(tiny_model_paths, tmp_path) -> None:
     """A copy of the core without the attention kernels' files imports, serves on torch
     (the tokens of the full tree's torch backend) and names the missing rooms as reasons."""
-    for package in ("engine", "scheduler", "cache"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.pyc"))
-    kernels = tmp_path / "engine" / "model" / "kernels"
-    for room in ("paged_attention.py", "paged_attention.cpp", "triton_attention.py"):
-        (kernels / room).unlink()
+    kernels = "engine/model/kernels"
+    removed = [
+        f"{kernels}/{room}"
+        for room in ("paged_attention.py", "paged_attention.cpp", "triton_attention.py")
+    ]
+    copy_core(tmp_path, ("engine", "scheduler", "cache"), removed)
     model = str(tiny_model_paths["llama"])
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    result = subprocess.run(
-        [sys.executable, "-c", WITHOUT_ROOMS, model, str(tmp_path)],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    got = json.loads(result.stdout.splitlines()[-1])
+    got = run_script(WITHOUT_ROOMS, tmp_path, model, str(tmp_path))
     assert got["backend"] == "torch"
     for name in ("cpp", "triton"):
         assert f"its module {BACKENDS[name][0]} cannot be imported" in got["reasons"][name]
