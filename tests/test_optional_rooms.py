@@ -61,7 +61,8 @@ with TestClient(build_app(config)) as http:
     while http.get("/health").status_code != 200:
         pass
     name = http.get("/v1/models").json()["data"][0]["id"]
-    ask = {"model": name, "max_tokens": 3, "messages": [{"role": "user", "content": "Hi"}]}
+    hi = [{"role": "user", "content": "Hi"}]
+    ask = {"model": name, "max_tokens": 3, "messages": hi, "ignore_eos": True}
     chat = http.post("/v1/chat/completions", json=ask)
     tooled = http.post("/v1/chat/completions", json={**ask, "tools": [json.loads(sys.argv[3])]})
     dashboard = http.get("/dashboard").status_code

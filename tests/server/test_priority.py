@@ -173,7 +173,7 @@ def test_fcfs_refuses_a_priority_by_name_on_every_endpoint(fcfs_server: str) -> 
         )
     # Priority 0 is every request's under fcfs: accepted.
     reply = openai_api.completions.create(
-        model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 0}
+        model="tiny", prompt="hi", max_tokens=1, extra_body={"priority": 0, "ignore_eos": True}
     )
     assert reply.choices[0].finish_reason == "length"
 
@@ -195,7 +195,7 @@ def test_priorities_below_zero_and_on_each_endpoint_are_served(priority_server: 
         model="tiny",
         messages=[{"role": "user", "content": "hi"}],
         max_tokens=2,
-        extra_body={"priority": -5},
+        extra_body={"priority": -5, "ignore_eos": True},
     )
     assert chat.choices[0].finish_reason == "length"
     message = anthropic.Anthropic(
@@ -204,10 +204,10 @@ def test_priorities_below_zero_and_on_each_endpoint_are_served(priority_server: 
         model="tiny",
         max_tokens=2,
         messages=[{"role": "user", "content": "hi"}],
-        extra_body={"priority": 3},
+        extra_body={"priority": 3, "temperature": 0},
     )
     assert message.stop_reason == "max_tokens"
     response = openai_api.responses.create(
-        model="tiny", input="hi", max_output_tokens=2, extra_body={"priority": 1}
+        model="tiny", input="hi", max_output_tokens=2, temperature=0, extra_body={"priority": 1}
     )
     assert response.status == "incomplete"
