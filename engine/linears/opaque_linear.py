@@ -7,14 +7,20 @@ its row invariance (see `packed_linear`). So such a layer, while being compiled,
 call of `pagedserve::linear(x, handle)`, and the compiled graph calls back into the
 layer's own eager `compute` at run time, with the same bits as the eager engine.
 
-Invariant: `handle` is the layer's index in this process's registry, assigned in creation
-order, so a process that builds the same model the same way gives every layer the same
-handle (the handles are constants in compiled graphs, and so in Inductor's on-disk cache
-keys). The registry holds weak references: a layer's entry dies with the layer.
+Invariant: `handle` is the lowest free index of this process's registry when the layer
+is made, so a process that builds the same model the same way gives every layer the same
+handle (the handles are constants in compiled graphs, and so in saved graphs' keys and
+Inductor's on-disk cache keys), and so does one that builds it again after the engine
+that held the first copy was dropped: a dead layer's handle is free again, and
+`free_dropped_handles` collects dropped engines first. A second engine built while the
+first lives gets other handles, and so another compiled graph. The registry holds weak
+references: a layer's entry dies with the layer.
 """
 
 from __future__ import annotations
 
+import gc
+import heapq
 import weakref
 from abc import ABC, abstractmethod
 
@@ -24,6 +30,7 @@ from torch import nn
 from engine.model.kernels.custom_ops import LIBRARY
 
 _layers: list[weakref.ref[OpaqueLinear]] = []
+_free: list[int] = []  # a heap of the handles whose layers died
 
 
 class OpaqueLinear(nn.Module, ABC):
@@ -35,8 +42,12 @@ class OpaqueLinear(nn.Module, ABC):
 
     def __init__(self) -> None:
         super().__init__()
-        self.handle = len(_layers)
-        _layers.append(weakref.ref(self))
+        self.handle = heapq.heappop(_free) if _free else len(_layers)
+        entry = weakref.ref(self, lambda _, handle=self.handle: heapq.heappush(_free, handle))
+        if self.handle == len(_layers):
+            _layers.append(entry)
+        else:
+            _layers[self.handle] = entry
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():
@@ -46,6 +57,12 @@ class OpaqueLinear(nn.Module, ABC):
     @abstractmethod
     def compute(self, x: torch.Tensor) -> torch.Tensor:
         """`x W^T (+ b)` over the last axis of `x`, computed eagerly."""
+
+
+def free_dropped_handles() -> None:
+    """Collect the layers of engines that were dropped but wait in reference cycles, so
+    that their handles are free before a model's linears are replaced."""
+    gc.collect()
 
 
 def layer(handle: int) -> OpaqueLinear:

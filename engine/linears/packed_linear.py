@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.linears.bf16_linear import Bf16Linear, runs_kernel
-from engine.linears.opaque_linear import OpaqueLinear
+from engine.linears.opaque_linear import OpaqueLinear, free_dropped_handles
 
 # The dtypes packed, each with the check that oneDNN can compute it on this CPU (its fp16
 # path, for one, needs AVX512-FP16 or AVX-NE-CONVERT and refuses to reorder without).
@@ -140,6 +140,7 @@ def pack_linear_layers(model: nn.Module) -> int:
 def replace_linear_layers(model: nn.Module, replacement: Callable[[nn.Linear], nn.Module]) -> int:
     """Swap every plain `nn.Linear` of `model` for `replacement(linear)`, in place; return
     how many were swapped (a replacement that returns the linear itself keeps it)."""
+    free_dropped_handles()
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

@@ -14,7 +14,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from engine.linears import packed_linear
+from engine.linears import opaque_linear, packed_linear
 from engine.linears.bf16_linear import Bf16Linear
 from engine.linears.packed_linear import (
     MIN_ROWS,
@@ -197,3 +197,30 @@ def test_bf16_engine_packs_and_generates_as_unpacked(
     plain_llm, plain = generate()
     assert not any(isinstance(m, kind) for m in plain_llm.engine.model.modules())
     assert packed == plain
+
+
+@pytest.mark.skipif(not can_pack(CPU, torch.float32), reason="oneDNN cannot pack here")
+def test_a_model_built_again_after_its_engine_is_dropped_gets_the_same_handles():
+    """The handles are constants of compiled graphs: a second copy built after the first
+    was dropped (in a reference cycle, as engines are) reuses its handles, so it loads the
+    saved graph; a copy built while the first lives gets handles of its own."""
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32), nn.Linear(32, 8))
+        pack_linear_layers(model)
+        model.cycle = [model]  # type: ignore[assignment]
+        return model
+
+    def handles(model: nn.Module) -> list[int]:
+        return [module.handle for module in model.modules() if hasattr(module, "handle")]
+
+    first = build()
+    taken = handles(first)
+    assert len(taken) == 3
+    beside = build()
+    assert not set(handles(beside)) & set(taken)
+    del first
+    again = build()
+    assert handles(again) == taken
+    assert all(opaque_linear.layer(h) is m for h, m in zip(taken, list(again)[:3], strict=True))
