@@ -6,6 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist each worker, and each server it starts, gets its share of the cores
+# (one each for `make test`'s two workers on two cores), set before torch loads. More
+# threads than cores spin in OpenMP's barriers: a test of the eager engine took 27 s
+# beside the other worker's compile instead of 3 s alone. The tests of bits that must not
+# depend on the thread count set their counts themselves.
+if workers := os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(workers))))
+
 import torch
 
 # Triton reads this when it is imported (by whichever module is first), so it is set here:
