@@ -45,7 +45,7 @@ test: setup-test
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 	$(DOCS)
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS)
 
 lint: setup-test
 	$(BIN)/ruff check .

@@ -67,7 +67,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     # The workers take files in this order: the slow ones (the real model, servers,
     # compiles) first, so that the last minutes are small files filling both workers
     # rather than one long file running on one while the other idles. Stable: a file's
-    # tests keep their order.
+    # tests keep their order. (`make test` passes `--no-loadscope-reorder`: xdist would
+    # otherwise hand out the groups by their number of tests, largest first.)
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
