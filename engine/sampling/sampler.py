@@ -23,6 +23,7 @@ import hashlib
 import math
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
@@ -173,11 +174,15 @@ def _index(positions: Sequence[int], device: torch.device) -> torch.Tensor:
     return torch.tensor(positions, dtype=torch.long, device=device)
 
 
-def _padded(sequences: Sequence[Sequence[int]], sink: int, device: torch.device) -> torch.Tensor:
-    """[len(sequences), longest] token ids, short rows padded with `sink`."""
-    width = max(len(seq) for seq in sequences)
-    padded = [[*seq, *[sink] * (width - len(seq))] for seq in sequences]
-    return torch.tensor(padded, dtype=torch.long, device=device).view(len(sequences), width)
+def _flat_positions(
+    row_ids: Sequence[tuple[int, Sequence[int]]], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in a flattened [rows, vocab] tensor of each (row, ids) pair's ids, and
+    how many ids each pair has."""
+    counts = torch.tensor([len(ids) for _, ids in row_ids], dtype=torch.long, device=device)
+    ids = torch.tensor(list(chain.from_iterable(ids for _, ids in row_ids)), dtype=torch.long)
+    starts = torch.tensor([row * vocab_size for row, _ in row_ids], dtype=torch.long)
+    return ids.to(device) + starts.to(device).repeat_interleave(counts), counts
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
@@ -192,29 +197,33 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
         return logits
     device = logits.device
     vocab_size = logits.shape[1]
-    index = _index(penalised, device)
     params = [rows[i].params for i in penalised]
-    # Work on the penalised rows plus a sink column that absorbs the padding of ragged id
-    # lists, and touch only the ids' positions: O(ids), not O(vocab), per row. Duplicate
-    # ids gather the same value and scatter the same result, so each applies once.
-    sub = torch.cat([logits[index], logits.new_zeros(len(penalised), 1)], dim=1)
+    # One copy of the logits, touched only at the ids' positions: O(ids), not O(vocab), per
+    # row. Duplicate ids gather the same value and write the same result, so each applies
+    # once; the frequency penalty adds once per occurrence.
+    penalised_logits = logits.clone()
+    flat = penalised_logits.view(-1)
     if any(p.repetition_penalty != 1.0 for p in params):
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[:, None]
-        seen = _padded(
-            [[*rows[i].prompt_token_ids, *rows[i].output_token_ids] for i in penalised],
+        seen, counts = _flat_positions(
+            [(i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids]) for i in penalised],
             vocab_size,
             device,
         )
-        values = sub.gather(1, seen)
-        sub.scatter_(1, seen, torch.where(values > 0, values / penalty, values * penalty))
-    output = _padded([rows[i].output_token_ids for i in penalised], vocab_size, device)
-    if any(p.presence_penalty != 0.0 for p in params):
-        presence = torch.tensor([p.presence_penalty for p in params], device=device)[:, None]
-        sub.scatter_(1, output, sub.gather(1, output) - presence)
-    if any(p.frequency_penalty != 0.0 for p in params):
-        frequency = torch.tensor([p.frequency_penalty for p in params], device=device)[:, None]
-        sub.scatter_add_(1, output, (-frequency).expand(output.shape).contiguous())
-    return logits.index_copy(0, index, sub[:, :vocab_size])
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
+        penalty = penalty.repeat_interleave(counts)
+        values = flat[seen]
+        flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
+    if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
+        output, counts = _flat_positions(
+            [(i, rows[i].output_token_ids) for i in penalised], vocab_size, device
+        )
+        if any(p.presence_penalty != 0.0 for p in params):
+            presence = torch.tensor([p.presence_penalty for p in params], device=device)
+            flat[output] = flat[output] - presence.repeat_interleave(counts)
+        if any(p.frequency_penalty != 0.0 for p in params):
+            frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+            flat.index_add_(0, output, -frequency.repeat_interleave(counts))
+    return penalised_logits
 
 
 def _sample_random(
