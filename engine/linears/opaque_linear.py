@@ -20,7 +20,6 @@ references: a layer's entry dies with the layer.
 from __future__ import annotations
 
 import gc
-import heapq
 import weakref
 from abc import ABC, abstractmethod
 
@@ -30,7 +29,6 @@ from torch import nn
 from engine.model.kernels.custom_ops import LIBRARY
 
 _layers: list[weakref.ref[OpaqueLinear]] = []
-_free: list[int] = []  # a heap of the handles whose layers died
 
 
 class OpaqueLinear(nn.Module, ABC):
@@ -42,12 +40,12 @@ class OpaqueLinear(nn.Module, ABC):
 
     def __init__(self) -> None:
         super().__init__()
-        self.handle = heapq.heappop(_free) if _free else len(_layers)
-        entry = weakref.ref(self, lambda _, handle=self.handle: heapq.heappush(_free, handle))
+        free = (handle for handle, entry in enumerate(_layers) if entry() is None)
+        self.handle = next(free, len(_layers))
         if self.handle == len(_layers):
-            _layers.append(entry)
+            _layers.append(weakref.ref(self))
         else:
-            _layers[self.handle] = entry
+            _layers[self.handle] = weakref.ref(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if torch.compiler.is_compiling():

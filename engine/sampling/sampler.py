@@ -179,10 +179,10 @@ def _flat_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The positions in a flattened [rows, vocab] tensor of each (row, ids) pair's ids, and
     how many ids each pair has."""
-    counts = torch.tensor([len(ids) for _, ids in row_ids], dtype=torch.long, device=device)
-    ids = torch.tensor(list(chain.from_iterable(ids for _, ids in row_ids)), dtype=torch.long)
-    starts = torch.tensor([row * vocab_size for row, _ in row_ids], dtype=torch.long)
-    return ids.to(device) + starts.to(device).repeat_interleave(counts), counts
+    counts = _index([len(ids) for _, ids in row_ids], device)
+    ids = _index(list(chain.from_iterable(ids for _, ids in row_ids)), device)
+    starts = _index([row * vocab_size for row, _ in row_ids], device)
+    return ids + starts.repeat_interleave(counts), counts
 
 
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
