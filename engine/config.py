@@ -106,6 +106,14 @@ class EngineConfig(BaseModel):
     enforce_eager: bool | None = Field(
         None, description="default: compiled where it can be (a compiler is found), else eager"
     )
+    # Whether each step schedules the next batch and starts its forward before it makes
+    # this step's text and outputs (engine/llm_engine.py, `LLMEngine.step`), so that on
+    # CUDA the GPU computes while the host detokenizes, checks stop strings and hands out
+    # outputs (vLLM's async scheduling). null (the default): on CUDA only; on the CPU the
+    # forward has ended before the host goes on. Off with speculative decoding.
+    async_scheduling: bool | None = Field(
+        None, description="default: on CUDA; the next step starts before this one's text"
+    )
     # Weight-only quantization of the linear layers (CPU only; engine/linears/quantized_linear.py).
     # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF in its own
     # type: a GGUF whose linears are 4-bit (Q4_1, the default model's) runs int4, 5- to

@@ -6,6 +6,7 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,34 @@ from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator
 from engine.speculative.verification import generator_states, rewind, sampling_rows
-from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
+from scheduler import FinishReason, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Launched:
+    """A scheduled batch whose forward has started; `logits` are its output (on CUDA,
+    still being computed)."""
+
+    batch: SchedulerOutput
+    logits: torch.Tensor
+
+
+def _unfinished_rows(items: list[ScheduledSequence], device: torch.device) -> torch.Tensor | None:
+    """The indices of the sampled logits rows of the `items` (a batch's sampling ones,
+    each with `num_sampled_rows` rows in order) whose sequence is unfinished; None when
+    every one is."""
+    if not any(item.seq.is_finished for item in items):
+        return None
+    rows: list[int] = []
+    offset = 0
+    for item in items:
+        if not item.seq.is_finished:
+            rows += range(offset, offset + item.num_sampled_rows)
+        offset += item.num_sampled_rows
+    return torch.tensor(rows, dtype=torch.long, device=device)
+
 
 # A model's own limit is often far beyond what a CPU serves usefully; cap the default.
 DEFAULT_MAX_MODEL_LEN = 8192
@@ -147,13 +173,30 @@ class LLMEngine:
         self._samples: dict[str, SampleState] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
+        self.async_scheduling = self._schedules_ahead(config)
+        self._launched: _Launched | None = None
         logger.info(
             "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "attention %s, %s steps",
+            "attention %s, %s steps, async scheduling %s",
             self.model_name, self.dtype, self.device, self.num_kv_blocks, self.block_size,
             self.num_kv_blocks * self.block_size, self.max_model_len,
             self.attention.backend.name, self._step_path(),
+            "on" if self.async_scheduling else "off",
         )  # fmt: skip
+
+    def _schedules_ahead(self, config: EngineConfig) -> bool:
+        """Whether `step` launches the next batch before this one's text (see `step`): as
+        `async_scheduling` says, or when unset, on CUDA (where the forward runs while the
+        host works; on the CPU the forward has ended before the host goes on, so
+        scheduling ahead would only delay new requests by a step). Never with speculative
+        decoding, whose kept tokens depend on each one's text (a stop string ends them)."""
+        if self.speculator is not None:
+            if config.async_scheduling:
+                raise ConfigError("async_scheduling does not combine with speculative decoding")
+            return False
+        if config.async_scheduling is None:
+            return self.device.type == "cuda"
+        return config.async_scheduling
 
     def _sampling_defaults(self, config: EngineConfig) -> dict[str, Any]:
         """The defaults for sampling fields a request leaves out (see
@@ -372,10 +415,37 @@ class LLMEngine:
         """Schedule, run the model once, sample, apply stops; return the changed requests'
         outputs (each the deltas since that request's previous output).
 
+        With async scheduling (`async_scheduling`), the next step's batch is scheduled and
+        its forward launched as soon as this step's tokens are known and have been checked
+        by their ids (`SampleState.on_token`: ending tokens, grammar, `max_tokens`), before
+        their text (`SampleState.on_text`: detokenization, stop strings) and the outputs
+        are made: on CUDA the forward runs while the host does that work, and while the
+        caller handles the outputs. That step's tokens are sampled at the next call. A
+        sequence that a stop string (or an abort between calls) finishes while its row is
+        in flight has that row dropped unsampled; its output ends where the stop says.
+
         A failure in the model or sampler fails the requests of this batch (finish reason
         "error") and leaves the engine serving; their cached block hashes are dropped,
         since their K/V may not have been written.
         """
+        touched: dict[str, RequestState] = {}
+        launched = self._launched or self._launch(touched)
+        self._launched = None
+        if launched is not None:
+            taken = self._sample(launched, touched)
+            if self.async_scheduling:
+                self._launched = self._launch(touched)
+            self._add_texts(taken)
+        outputs = []
+        for state in touched.values():
+            outputs.append(state.take_output())
+            if state.finished:
+                self._forget(state)
+        return outputs
+
+    def _launch(self, touched: dict[str, RequestState]) -> _Launched | None:
+        """Schedule a batch and start its forward (on CUDA it runs on while the host goes
+        on); None when nothing is scheduled or the forward failed at once."""
         drafts = None
         if self.speculator is not None:
             running = self.scheduler.running()
@@ -384,92 +454,137 @@ class LLMEngine:
             )
         batch = self.scheduler.schedule(drafts)
         self.runner.update_block_tables(batch)
-        touched: dict[str, RequestState] = {}
         for seq in batch.rejected:
             state = self._requests[seq.request_id]
             state.error = seq.error
             touched[state.request_id] = state
-        if batch.scheduled:
-            sampling = [self._samples[item.seq.seq_id] for item in batch.sampling]
-            try:
-                logits = self.runner.execute(batch.scheduled)
-                num_sampled = batch.num_sampled_rows
-                generators = generator_states(batch.sampling, sampling)
-                sampled = self.sampler.sample(
-                    logits[:num_sampled], sampling_rows(batch.sampling, sampling)
-                )
-                if len(logits) > num_sampled:
-                    self._add_prompt_logprobs(batch, logits[num_sampled:])
-            except Exception as exc:
-                logger.exception(
-                    "engine step failed; failing its %d sequences", len(batch.scheduled)
-                )
-                self._fail_batch(batch, f"{type(exc).__name__}: {exc}", touched)
-            else:
-                self._apply_samples(batch, sampling, sampled, generators, touched)
-        outputs = []
-        for state in touched.values():
-            outputs.append(state.take_output())
-            if state.finished:
-                self._forget(state)
-        return outputs
+        if not batch.scheduled:
+            return None
+        try:
+            return _Launched(batch, self.runner.execute(batch.scheduled))
+        except Exception as exc:
+            self._fail(batch, exc, touched)
+            return None
+
+    def _sample(
+        self, launched: _Launched, touched: dict[str, RequestState]
+    ) -> list[tuple[SampleState, FinishReason | None]]:
+        """Sample the launched batch's rows of the sequences still unfinished, append their
+        tokens and check them by id (`_apply_tokens`)."""
+        batch, logits = launched.batch, launched.logits
+        items = [item for item in batch.sampling if not item.seq.is_finished]
+        sampling = [self._samples[item.seq.seq_id] for item in items]
+        try:
+            rows = _unfinished_rows(batch.sampling, logits.device)
+            generators = generator_states(items, sampling)
+            sampled = self.sampler.sample(
+                logits[: batch.num_sampled_rows] if rows is None else logits[rows],
+                sampling_rows(items, sampling),
+            )
+            if len(logits) > batch.num_sampled_rows:
+                self._add_prompt_logprobs(batch, logits[batch.num_sampled_rows :])
+        except Exception as exc:
+            self._fail(batch, exc, touched)
+            return []
+        return self._apply_tokens(batch, items, sampling, sampled, generators, touched)
+
+    def _fail(
+        self, batch: SchedulerOutput, exc: Exception, touched: dict[str, RequestState]
+    ) -> None:
+        logger.exception("engine step failed; failing its %d sequences", len(batch.scheduled))
+        self._fail_batch(batch, f"{type(exc).__name__}: {exc}", touched)
 
     def _add_prompt_logprobs(self, batch: SchedulerOutput, logits: torch.Tensor) -> None:
         """Give each chunk's prompt-logprob rows (`logits`, in batch order after the
         sampled rows) to its request: row j of a chunk starting at position s holds the
         logprob of prompt token s + j + 1. The request hands them out with its next output
         after they are whole (the final chunk samples, so that is no later than its first
-        token's)."""
-        items = [item for item in batch.scheduled if item.num_prompt_logprob_rows]
-        targets, counts = [], []
-        for item in items:
-            start, rows = item.num_computed_tokens, item.num_prompt_logprob_rows
-            targets += item.seq.prompt_token_ids[start + 1 : start + 1 + rows]
-            count = self._requests[item.seq.request_id].request.params.prompt_logprobs
-            counts += [count or 0] * rows
+        token's). Rows of sequences finished since the batch was scheduled are skipped."""
+        items, targets, counts, rows = [], [], [], []
+        offset = 0
+        for item in batch.scheduled:
+            num_rows = item.num_prompt_logprob_rows
+            if num_rows and not item.seq.is_finished:
+                start = item.num_computed_tokens
+                targets += item.seq.prompt_token_ids[start + 1 : start + 1 + num_rows]
+                count = self._requests[item.seq.request_id].request.params.prompt_logprobs
+                counts += [count or 0] * num_rows
+                rows += range(offset, offset + num_rows)
+                items.append(item)
+            offset += num_rows
+        if not items:
+            return
+        if len(rows) < offset:
+            logits = logits[torch.tensor(rows, device=logits.device)]
         entries = prompt_logprobs(logits, targets, counts)
         offset = 0
         for item in items:
             state = self._requests[item.seq.request_id]
-            rows = item.num_prompt_logprob_rows
+            num_rows = item.num_prompt_logprob_rows
             first = item.num_computed_tokens + 1
-            state.add_prompt_logprobs(first, entries[offset : offset + rows], self._token_texts)
-            offset += rows
+            state.add_prompt_logprobs(first, entries[offset : offset + num_rows], self._token_texts)
+            offset += num_rows
 
-    def _apply_samples(
+    def _apply_tokens(
         self,
         batch: SchedulerOutput,
+        items: list[ScheduledSequence],
         sampling: list[SampleState],
         sampled: SamplerOutput,
         generators: dict[str, torch.Tensor],
         touched: dict[str, RequestState],
-    ) -> None:
-        """Append each sampling sequence's token, then, for a sequence with draft tokens,
-        the tokens its verification keeps (`engine.speculative.verification`), each
-        checked for stops in turn, so nothing past a stop is kept."""
-        items = batch.sampling
+    ) -> list[tuple[SampleState, FinishReason | None]]:
+        """Append each sampling sequence's token (`items`, the batch's unfinished ones) and,
+        for a sequence with draft tokens, the tokens its verification keeps
+        (`engine.speculative.verification`). A sample that its token ids end is finished
+        now. With draft tokens each kept token's text is checked before the next is kept, so
+        nothing past a stop string is kept; the others' text is left to `_add_texts` (after
+        the next launch, with async scheduling): they are returned with what their ids
+        decided."""
         firsts, offset = [], 0
         for item in items:
             firsts.append(offset)
             offset += item.num_sampled_rows
         self.scheduler.update(batch, [sampled.token_ids[first] for first in firsts])
+        taken = []
         for item, sample, first in zip(items, sampling, firsts, strict=True):
             tokens = sampled.token_ids[first : first + item.num_sampled_rows]
             draft = item.draft_token_ids
             reason = sample.on_token(tokens[0], sampled.logprobs[first])
             kept = 1
-            while reason is None and kept <= len(draft) and tokens[kept - 1] == draft[kept - 1]:
-                self.scheduler.accept_draft(sample.seq, tokens[kept])
-                reason = sample.on_token(tokens[kept], sampled.logprobs[first + kept])
-                kept += 1
-            self._generation_tokens_total += kept
             if draft:
+                while True:  # each kept token's text before the next token is kept
+                    if sample.on_text(reason is not None):
+                        reason = "stop"
+                        break
+                    if reason is not None or kept > len(draft):
+                        break
+                    if tokens[kept - 1] != draft[kept - 1]:
+                        break
+                    self.scheduler.accept_draft(sample.seq, tokens[kept])
+                    reason = sample.on_token(tokens[kept], sampled.logprobs[first + kept])
+                    kept += 1
                 self._verified(sample, len(draft), kept, generators)
+            else:
+                taken.append((sample, reason))
+            self._generation_tokens_total += kept
             if reason is not None:
                 self.scheduler.finish(sample.seq, reason)
             request_id = sample.seq.request_id
             if request_id not in touched:
                 touched[request_id] = self._requests[request_id]
+        return taken
+
+    def _add_texts(self, taken: list[tuple[SampleState, FinishReason | None]]) -> None:
+        """Detokenize the samples' new tokens and watch them for stop strings
+        (`SampleState.on_text`); a stop string ends its sample with "stop"."""
+        for sample, reason in taken:
+            if sample.on_text(reason is not None):
+                seq = sample.seq
+                if seq.is_finished:
+                    seq.finish_reason = "stop"  # the stop string wins over "length"
+                else:
+                    self.scheduler.finish(seq, "stop")
 
     def _verified(
         self,
@@ -492,7 +607,9 @@ class LLMEngine:
         self, batch: SchedulerOutput, error: str, touched: dict[str, RequestState]
     ) -> None:
         for item in batch.scheduled:
-            state = self._requests[item.seq.request_id]
+            state = self._requests.get(item.seq.request_id)
+            if state is None:
+                continue  # aborted or finished while the batch was in flight
             state.error = error
             for sample in state.samples:
                 if not sample.seq.is_finished:

@@ -36,9 +36,11 @@ class Scheduler:
     sampled tokens, `accept_draft()` for each verified draft token (speculative decoding),
     then `finish()` the sequences that stopped. The block manager is the
     scheduler's alone: what the model runner needs of it (new block ids, freed sequences)
-    travels in each `SchedulerOutput`. `add()` and `abort()` belong
-    between steps: a sequence freed while its step is in flight would leave cached block
-    hashes whose K/V was never written.
+    travels in each `SchedulerOutput`. `add()` and `abort()` belong between `schedule()`
+    calls; a sequence finished while its step runs is skipped by `update()`. Its blocks
+    are freed at once, and with them cached block hashes whose K/V that step writes: a
+    later step reads them only after it (the device runs steps in order); a step that
+    fails is followed by `reset_prefix_cache()`.
     """
 
     def __init__(
@@ -124,12 +126,17 @@ class Scheduler:
 
     def update(self, output: SchedulerOutput, token_ids: SequenceOf[int]) -> None:
         """Apply a finished model step: advance computed counts and append the sampled
-        tokens, `token_ids[i]` to the i-th sequence of `output.sampling`. The engine then
-        checks their stop conditions and calls `finish()`."""
+        tokens, `token_ids[i]` to the i-th unfinished sequence of `output.sampling`. The
+        engine then checks their stop conditions and calls `finish()`. Sequences finished
+        since `schedule()` (aborted, or stopped by their text while the step ran, with
+        async scheduling) are skipped: their freed blocks may take the step's K/V writes,
+        which come before any later step's in the device's order."""
         now = time.monotonic()
         sampled = iter(token_ids)
         for scheduled in output.scheduled:
             seq = scheduled.seq
+            if seq.is_finished:
+                continue
             if seq.num_computed_tokens != scheduled.num_computed_tokens:
                 raise RuntimeError(f"{seq.seq_id!r} changed since schedule(): update() twice?")
             seq.num_computed_tokens += scheduled.num_sequence_tokens

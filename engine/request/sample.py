@@ -105,7 +105,8 @@ class SampleState:
     It applies each stop rule: the ending tokens (EOS, `stop_token_ids`; masked by the
     sampler before `min_tokens`, through `row.stop_token_ids`), stop strings, and
     `max_tokens` (`seq.max_tokens`, set so the sequence never outgrows `max_model_len`).
-    Invariants: `stop` holds the sample's text, its only copy; `sent_tokens` counts the
+    Invariants: `stop` holds the sample's text, its only copy, made from the first `texted`
+    output tokens (an ending token counts, adding no text); `sent_tokens` counts the
     output token ids handed out and `pending_logprobs` holds the entries not yet handed
     out, so each output carries exactly what was added since the previous one.
     """
@@ -118,43 +119,56 @@ class SampleState:
     pending_logprobs: list[TokenLogprobs] | None
     stop_reason: int | str | None = None
     sent_tokens: int = 0
+    texted: int = 0
 
     def on_token(self, token_id: int, logprobs: TokenLogprobs | None) -> FinishReason | None:
-        """Account for the token just appended to `seq`; return why the sample ends, or None.
+        """Account for the token just appended to `seq` by what its id alone decides; return
+        why the sample ends, or None. Call `on_text` for it next, before the next token.
 
-        An ending token ends it without adding its text (a stop token id becomes the
-        `stop_reason`); a stop string ends it with the text cut before the stop (kept with
-        `include_stop_str_in_output`); a token that completes the sample's grammar (when it
-        has one: its matcher consumes every other token) ends it with "stop"; the
-        `max_tokens`-th output ends it with "length".
+        An ending token ends it (a stop token id becomes the `stop_reason`); a token that
+        completes the sample's grammar (when it has one: its matcher consumes every other
+        token) ends it with "stop"; the `max_tokens`-th output ends it with "length". These
+        need no text, so the engine can free the sequence before it schedules the next step
+        and leave the text to `on_text` while that step runs.
         """
         if self.pending_logprobs is not None and logprobs is not None:
             logprobs.token = self.token_texts.text(logprobs.token_id)
             logprobs.top_tokens = [self.token_texts.text(token) for token, _ in logprobs.top]
             self.pending_logprobs.append(logprobs)
-        reason: FinishReason | None = None
         if token_id in self.row.stop_token_ids:
             if token_id in self.row.params.stop_token_ids:
                 self.stop_reason = token_id
-            reason = "stop"
-        else:
-            if self.row.matcher is not None:
-                self.row.matcher.consume_token(token_id)
-            matched = self.stop.append(self.detokenizer.push([token_id]))
+            self.texted = self.seq.num_output_tokens  # an ending token adds no text
+            return "stop"
+        if self.row.matcher is not None:
+            self.row.matcher.consume_token(token_id)
+            if self.row.matcher.is_stopped():
+                return "stop"  # the grammar allows nothing more
+        if self.seq.num_output_tokens >= self.seq.max_tokens:
+            return "length"
+        return None
+
+    def on_text(self, ended: bool) -> bool:
+        """Add the text of the tokens `on_token` took since the last call and watch it for
+        stop strings; `ended` says whether `on_token` ended the sample. Return True when a
+        stop string ends it (the text cut before the stop, or kept with
+        `include_stop_str_in_output`; the string becomes the `stop_reason`): the sample
+        then ends with "stop", whatever `on_token` said.
+        """
+        tokens = self.seq.output_token_ids[self.texted :]
+        self.texted = self.seq.num_output_tokens
+        if tokens:
+            matched = self.stop.append(self.detokenizer.push(tokens))
             if matched is not None:
                 self.stop_reason = matched
-                return "stop"
-            if self.row.matcher is not None and self.row.matcher.is_stopped():
-                reason = "stop"  # the grammar allows nothing more
-            elif self.seq.num_output_tokens >= self.seq.max_tokens:
-                reason = "length"
-        if reason is not None:
+                return True
+        if ended:
             # The detokenizer may hold back an incomplete character; the text ends here.
             matched = self.stop.append(self.detokenizer.flush())
             if matched is not None:
                 self.stop_reason = matched
-                reason = "stop"
-        return reason
+                return True
+        return False
 
     def take_output(self) -> CompletionOutput:
         """What this sample gained since the previous call, with its finish state."""

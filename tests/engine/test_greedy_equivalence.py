@@ -70,6 +70,14 @@ SETTINGS = {
     # 70 blocks: the seven short prompts are admitted together and run out of blocks
     # while decoding, so the newest are preempted and recomputed.
     "preemption": dict(block_size=4, max_model_len=264, kv_cache_memory=70 * TINY_BLOCK_BYTES),
+    # CUDA's default: each step launched before the previous one's text is made.
+    "async-scheduling": dict(block_size=4, max_num_batched_tokens=13, async_scheduling=True),
+    "async-preemption": dict(
+        block_size=4,
+        max_model_len=264,
+        kv_cache_memory=70 * TINY_BLOCK_BYTES,
+        async_scheduling=True,
+    ),
 }
 
 
@@ -82,7 +90,7 @@ def test_tiny_models_match_generate(tiny_model_paths, references, arch, setting)
     assert engine_greedy(llm, prompts, MAX_TOKENS) == expected
     stats = llm.engine.stats()
     assert stats.used_kv_blocks == 0
-    if setting == "preemption":
+    if setting.endswith("preemption"):
         assert stats.num_preemptions > 0
 
 

@@ -12,9 +12,14 @@ from engine.errors import EngineError, UnsupportedModelError
 from engine.model.attention_backend import unavailable_reason
 
 
-@pytest.fixture(scope="module")
-def llm(tiny_model_paths: dict[str, Path]) -> LLM:
-    return LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB")
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def llm(tiny_model_paths: dict[str, Path], request: pytest.FixtureRequest) -> LLM:
+    """The engine as it runs on the CPU, and with async scheduling (CUDA's default: the
+    next step launched before this one's text)."""
+    return LLM(
+        str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB",
+        async_scheduling=request.param,
+    )  # fmt: skip
 
 
 def test_prompt_shapes_give_one_output_each(llm: LLM):

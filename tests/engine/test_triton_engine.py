@@ -36,6 +36,13 @@ SETTINGS = {
     "graphs-preemption": dict(
         enforce_eager=False, max_model_len=64, kv_cache_memory=8 * BLOCK_BYTES
     ),
+    # CUDA's defaults: graphs and async scheduling, with preemption.
+    "graphs-async-preemption": dict(
+        enforce_eager=False,
+        async_scheduling=True,
+        max_model_len=64,
+        kv_cache_memory=8 * BLOCK_BYTES,
+    ),
 }
 
 
@@ -70,7 +77,7 @@ def test_greedy_output_matches_generate(tiny_model_paths, references, setting):
         assert runs, "no decode step ran through the bucketed graphs"
     if setting == "graphs":
         assert 3 in runs  # padded to bucket 4
-    if setting == "graphs-preemption":
+    if setting.endswith("preemption"):
         assert stats.num_preemptions > 0
 
 
