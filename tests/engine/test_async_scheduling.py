@@ -51,9 +51,10 @@ def summary(output: RequestOutput) -> list:
     ]  # fmt: skip
 
 
-def test_auto_is_off_on_the_cpu_and_refused_with_speculation(tiny_model_paths):
+def test_auto_is_on_cuda_only_and_refused_with_speculation(tiny_model_paths):
     path = tiny_model_paths["llama"]
-    assert not make_llm(path).engine.async_scheduling
+    engine = make_llm(path).engine
+    assert engine.async_scheduling == (engine.device.type == "cuda")
     with pytest.raises(ConfigError, match="speculative"):
         make_llm(
             path, async_scheduling=True,

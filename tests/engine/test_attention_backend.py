@@ -64,7 +64,9 @@ def test_the_engine_chooses_once_at_start_and_compiling_says_why_it_cannot(
     tmp_path: Path,
 ) -> None:
     folder = build(tmp_path / "llama48", "llama", {"head_dim": 48})
-    llm = LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", enforce_eager=True)
+    llm = LLM(
+        str(folder), device="cpu", dtype="float32", kv_cache_memory="4MiB", enforce_eager=True
+    )
     assert llm.engine.attention.backend.name == "torch"
     assert "not 48" in llm.engine.attention.passed_over["cpp"]
     with pytest.raises(ConfigError, match=r"attention backend 'cpp' cannot run here: .*not 48"):

@@ -186,7 +186,10 @@ def test_bf16_engine_packs_and_generates_as_unpacked(
     prompts = ["Paged attention", "The quick brown fox jumps", "a"]
 
     def generate() -> tuple[LLM, list[list[int]]]:
-        llm = LLM(str(tiny_model_paths["llama"]), dtype="bfloat16", kv_cache_memory="16MiB")
+        llm = LLM(
+            str(tiny_model_paths["llama"]), device="cpu", dtype="bfloat16",
+            kv_cache_memory="16MiB",
+        )  # fmt: skip
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return llm, [list(output.outputs[0].token_ids) for output in outputs]
 

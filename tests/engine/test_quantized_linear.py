@@ -176,7 +176,7 @@ def test_quantization_on_cuda_or_in_fp16_is_a_config_error(tiny_model_paths: dic
     with pytest.raises(ConfigError, match="CPU only"):
         load_config(EngineConfig, overrides={"device": "cuda", "quantization": "int4"}, environ={})
     with pytest.raises(ConfigError, match=r"quantization 'int8' cannot run .*float32 or bfloat16"):
-        LLM(str(tiny_model_paths["llama"]), dtype="float16", quantization="int8")
+        LLM(str(tiny_model_paths["llama"]), device="cpu", dtype="float16", quantization="int8")
 
 
 def test_the_server_takes_quantization_from_flags_and_the_environment():
@@ -200,6 +200,7 @@ def test_engine_serves_a_quantized_model_alike_alone_and_batched(
     # Without prefix caching: a prefix hit would leave a prompt's rest to the kernel path.
     llm = LLM(
         str(tiny_model_paths["llama"]),
+        device="cpu",
         dtype=name,
         quantization=mode,
         kv_cache_memory="16MiB",

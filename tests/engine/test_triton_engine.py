@@ -82,9 +82,12 @@ def test_greedy_output_matches_generate(tiny_model_paths, references, setting):
 
 
 def test_padding_rows_write_no_kv_slot(tiny_model_paths):
+    # Synchronous steps: with async scheduling (CUDA's default) a step also launches the
+    # next one, whose writes would mix with the one under test.
     llm = LLM(
         str(tiny_model_paths["llama"]), dtype="float32", block_size=16,
         attention_backend="triton", enforce_eager=False, kv_cache_memory="4MiB",
+        async_scheduling=False,
     )  # fmt: skip
     engine = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
