@@ -96,11 +96,23 @@ def client(url: str, api_key: str = "unused") -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def tiny_server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
-    """One server on the tiny Llama for the whole test module; its served name is 'tiny'."""
-    config = tiny_config(tiny_model_paths["llama"], served_model_name="tiny")
+def tiny_server(tiny_model_paths: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[str]:
+    """One server on the tiny Llama for the whole test module; its served name is 'tiny'.
+    A module marked `BOTH_STEP_ORDERS` gets one with each `async_scheduling` in turn."""
+    config = tiny_config(
+        tiny_model_paths["llama"],
+        served_model_name="tiny",
+        async_scheduling=getattr(request, "param", None),
+    )
     with live_server(config) as url:
         yield url
+
+
+# A module's tests against a server with synchronous steps (the CPU's) and one with async
+# scheduling (CUDA's default, where a step launches the next before it makes its outputs).
+BOTH_STEP_ORDERS = pytest.mark.parametrize(
+    "tiny_server", [False, True], ids=["sync", "async-scheduling"], indirect=True
+)
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,9 @@ import subprocess
 import httpx
 import pytest
 
-from tests.server.conftest import client
+from tests.server.conftest import BOTH_STEP_ORDERS, client
+
+pytestmark = BOTH_STEP_ORDERS
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -6,7 +6,9 @@ import asyncio
 
 import openai
 
-from tests.server.conftest import client
+from tests.server.conftest import BOTH_STEP_ORDERS, client
+
+pytestmark = BOTH_STEP_ORDERS
 
 PROMPTS = [
     f"{opening} {i}"

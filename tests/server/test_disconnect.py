@@ -6,7 +6,9 @@ import time
 
 import httpx
 
-from tests.server.conftest import engine_metrics
+from tests.server.conftest import BOTH_STEP_ORDERS, engine_metrics
+
+pytestmark = BOTH_STEP_ORDERS
 
 LONG = {"model": "tiny", "prompt": "The quick brown fox", "max_tokens": 450, "ignore_eos": True}
 CHAT = {
