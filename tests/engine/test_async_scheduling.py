@@ -151,3 +151,21 @@ def test_a_row_in_flight_for_a_finished_sequence_is_dropped(engines, monkeypatch
     # then one after the stop: exactly the tokens handed out were sampled.
     assert sampled_rows == [3, 3, 3, 2, 2, 2] + [1] * 10
     assert engine.stats().used_kv_blocks == 0
+
+
+def test_a_batch_left_in_flight_with_no_live_row_is_passed_over(engines):
+    """The last request ends by a stop string while its next row is in flight: the engine
+    has nothing unfinished but that batch, and the next call samples none of it."""
+    sync, pipelined = engines
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    tokens = sync.generate("Paged attention", greedy, use_tqdm=False)[0].outputs[0].token_ids
+    decode = sync.get_tokenizer().decode
+    stop = decode(tokens[:3])[len(decode(tokens[:2])) :]
+    stopping = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])
+    first = pipelined.generate("Paged attention", stopping, use_tqdm=False)[0].outputs[0]
+    assert (first.token_ids, first.stop_reason) == (tokens[:3], stop)
+    engine = pipelined.engine
+    assert not engine.has_unfinished_requests() and engine._launched is not None
+    after = pipelined.generate("Paged attention", greedy, use_tqdm=False)[0].outputs[0]
+    assert after.token_ids == tokens
+    assert engine.stats().used_kv_blocks == 0
