@@ -10,14 +10,37 @@ TGI).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 REPLACEMENT_CHAR = "\ufffd"
 # Prompt tokens decoded before the first output token: enough to give it its context
 # (leading space, no special tokens at the window start), few enough to stay cheap.
 PROMPT_CONTEXT_TOKENS = 5
+
+
+def ids_decoder(
+    tokenizer: PreTrainedTokenizerBase, skip_special_tokens: bool
+) -> Callable[[Sequence[int]], str]:
+    """`tokenizer.decode(ids, skip_special_tokens=...)` as a function of the ids alone.
+
+    For a fast tokenizer whose `decode` and `_decode` are transformers' own and that cleans
+    up no spaces, that is the Rust tokenizer's `decode`, which transformers calls after
+    converting its arguments: called directly, it costs about a third of the time (1 µs
+    instead of 2.7 on a short window), once per token of every sequence.
+    """
+    cls = type(tokenizer)
+    if (
+        isinstance(tokenizer, TokenizersBackend)
+        and cls.decode is PreTrainedTokenizerBase.decode
+        and cls._decode is TokenizersBackend._decode
+        and not tokenizer.clean_up_tokenization_spaces
+    ):
+        return partial(tokenizer.backend_tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    return partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
 
 
 class IncrementalDetokenizer:
@@ -47,8 +70,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
-        self._skip_special_tokens = skip_special_tokens
+        self._decode = ids_decoder(tokenizer, skip_special_tokens)
         self._ids = self._prompt_context(prompt_token_ids)
         self._start = 0
         self._read = len(self._ids)
@@ -77,9 +99,6 @@ class IncrementalDetokenizer:
         delta = text[self._emitted :]
         self._emitted = len(text)
         return delta
-
-    def _decode(self, token_ids: Sequence[int]) -> str:
-        return self._tokenizer.decode(token_ids, skip_special_tokens=self._skip_special_tokens)
 
     def _prompt_context(self, prompt_token_ids: Sequence[int]) -> list[int]:
         """The longest tail of at most PROMPT_CONTEXT_TOKENS prompt tokens whose text does not

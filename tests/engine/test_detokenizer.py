@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from engine.request.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer
+from engine.request.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, ids_decoder
 from tests.tiny_models import build_tokenizer
 
 MULTI_BYTE = "é東京😀—"
@@ -193,3 +194,18 @@ def test_sentencepiece_text_is_what_the_output_adds_to_the_prompt(
     assert full.startswith(prompt_text)
     assert text == full[len(prompt_text) :]
     assert all(text.startswith(shown) and not shown.endswith(REPLACEMENT_CHAR) for shown in emitted)
+
+
+def test_the_rust_decode_serves_where_transformers_adds_nothing(
+    byte_level_tokenizer, sentencepiece_tokenizer
+) -> None:
+    """The tests above compare the streamed text with `tokenizer.decode`: through the Rust
+    tokenizer's own decode for these tokenizers, and through transformers' where it cleans
+    up spaces after decoding."""
+    for tokenizer in (byte_level_tokenizer, sentencepiece_tokenizer):
+        assert ids_decoder(tokenizer, True).func == tokenizer.backend_tokenizer.decode
+    cleaning = copy.deepcopy(sentencepiece_tokenizer)
+    cleaning.clean_up_tokenization_spaces = True
+    assert ids_decoder(cleaning, True).func == cleaning.decode
+    ids = cleaning.encode("The fox , jumps .", add_special_tokens=False)
+    assert ids_decoder(cleaning, True)(ids) == cleaning.decode(ids, skip_special_tokens=True)
