@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from engine.outputs import TokenLogprobs
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 # Top-p looks for a row's nucleus among this many most likely tokens, then among more,
 # before sorting the whole vocabulary (see `_top_p`).
 TOP_P_CANDIDATES = (256, 4096)
+# Output ids the repetition penalty reads from the row's list each step before they join
+# its history tensor (`SamplingRow.history`): one small op per row every HISTORY_FOLD steps.
+HISTORY_FOLD = 16
 
 
 @dataclass(slots=True)
@@ -50,7 +54,9 @@ class SamplingRow:
     sequence, masked while it has fewer than `min_tokens` outputs; the sample that owns the
     row decides them (`engine.request.sample.ending_token_ids`). `matcher`, for a request
     with structured outputs, is the sample's grammar constraint: tokens it forbids are
-    masked.
+    masked. `history` is the repetition penalty's memo, kept by the sampler on the logits'
+    device: the prompt's distinct ids, then the first `history_outputs` output ids, so a
+    step converts only the outputs since (fewer than HISTORY_FOLD), not the whole context.
     """
 
     params: SamplingParams
@@ -59,6 +65,8 @@ class SamplingRow:
     generator: torch.Generator | None = None
     stop_token_ids: Set[int] = field(default_factory=frozenset)
     matcher: LogitsConstraint | None = None
+    history: torch.Tensor | None = None
+    history_outputs: int = 0
 
 
 @dataclass(slots=True)
@@ -185,6 +193,36 @@ def _flat_positions(
     return ids + starts.repeat_interleave(counts), counts
 
 
+def _history_positions(
+    rows: Sequence[SamplingRow], at: Sequence[int], vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The positions in a flattened [rows, vocab] tensor, row `rows[k]` at row `at[k]`, of
+    each row's prompt and output ids (repeats allowed), and the k of each: its `history`
+    tensor (made or extended here), then the output ids since."""
+    histories: list[torch.Tensor] = []
+    recent: list[Sequence[int]] = []
+    for row in rows:
+        if row.history is None:
+            distinct = np.unique(np.asarray(row.prompt_token_ids, dtype=np.int64))
+            row.history = torch.from_numpy(distinct).to(device)
+        since = row.output_token_ids[row.history_outputs :]
+        if len(since) >= HISTORY_FOLD:
+            row.history = torch.cat((row.history, _index(since, device)))
+            row.history_outputs += len(since)
+            since = ()
+        histories.append(row.history)
+        recent.append(since)
+    batch = torch.arange(len(rows), device=device)
+    row_of = torch.cat(
+        (
+            batch.repeat_interleave(_index([h.numel() for h in histories], device)),
+            batch.repeat_interleave(_index([len(ids) for ids in recent], device)),
+        )
+    )
+    ids = torch.cat((*histories, _index(list(chain.from_iterable(recent)), device)))
+    return ids + _index(at, device)[row_of] * vocab_size, row_of
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Return `logits` with each row's penalties applied (a new tensor if any applies).
 
@@ -204,13 +242,10 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     penalised_logits = logits.clone()
     flat = penalised_logits.view(-1)
     if any(p.repetition_penalty != 1.0 for p in params):
-        seen, counts = _flat_positions(
-            [(i, [*rows[i].prompt_token_ids, *rows[i].output_token_ids]) for i in penalised],
-            vocab_size,
-            device,
+        seen, row_of = _history_positions(
+            [rows[i] for i in penalised], penalised, vocab_size, device
         )
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
-        penalty = penalty.repeat_interleave(counts)
+        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row_of]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):

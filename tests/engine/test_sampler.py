@@ -12,6 +12,7 @@ from engine.request.sample import ending_token_ids
 from engine.sampling import sampler as sampler_module
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
+    HISTORY_FOLD,
     Sampler,
     SamplingRow,
     apply_logit_bias,
@@ -219,6 +220,29 @@ def test_repetition_penalty_matches_transformers(penalty: float) -> None:
     ]
     expected = RepetitionPenaltyLogitsProcessor(penalty)(history, logits.clone())
     assert torch.allclose(apply_penalties(logits, rows), expected)
+
+
+def test_repetition_penalty_follows_outputs_as_they_grow() -> None:
+    """The same rows over 50 steps (their outputs growing, with rows penalised and not
+    interleaved), each step equal bit for bit to transformers' processor over the whole
+    history: the rows' memo of their ids (folded every HISTORY_FOLD outputs) misses none."""
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 100, (n,), generator=generator).tolist() for n in (1, 40, 7)]
+    rows = [row(SamplingParams(repetition_penalty=1.3), prompt=p) for p in prompts]
+    rows.insert(1, row(SamplingParams(), prompt=[5]))
+    for _ in range(3 * HISTORY_FOLD + 2):
+        logits = torch.randn(4, 100, generator=generator) * 3
+        penalised = apply_penalties(logits, rows)
+        for i, r in enumerate(rows):
+            if r.params.repetition_penalty == 1.0:
+                assert torch.equal(penalised[i], logits[i])
+                continue
+            history = torch.tensor([[*r.prompt_token_ids, *r.output_token_ids]])
+            processor = RepetitionPenaltyLogitsProcessor(1.3)
+            assert torch.equal(penalised[i], processor(history, logits[i : i + 1].clone())[0])
+        for r in rows:
+            r.output_token_ids.append(int(torch.randint(0, 100, (), generator=generator)))
+    assert all(r.history_outputs for r in rows if r.params.repetition_penalty != 1.0)
 
 
 def test_penalties_apply_only_to_their_rows() -> None:
