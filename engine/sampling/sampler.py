@@ -337,11 +337,26 @@ def _nucleus_floor(
     """Per row, the smallest logit in the top-p nucleus found among the `candidates` largest,
     and whether those candidates hold the whole nucleus."""
     sorted_logits = logits.topk(candidates, dim=-1).values
-    probs = (sorted_logits - logits.logsumexp(dim=-1, keepdim=True)).exp()
+    probs = (sorted_logits - _logsumexp(logits)).exp()
     mass = probs.cumsum(dim=-1)
     # A token goes when the tokens before it already reach p; the first always stays.
     kept = (mass - probs < top_p).sum(dim=-1, keepdim=True)
     return sorted_logits.gather(1, kept - 1), mass[:, -1] >= top_p[:, 0]
+
+
+def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
+    """`logits.logsumexp(dim=-1, keepdim=True)` with the same bits, without denormals.
+
+    After a low temperature most of a row lies far below its maximum, and exp() of
+    those differences gives floats below FLT_MIN, each one slow on x86 CPUs: 49,152
+    logits at temperature 0.2 took 260 us instead of 35. Differences below -87 count as
+    exp(-87), a normal float; the sum is at least 1 (the maximum's own term), so a change
+    of at most vocab * 1.7e-38 in it leaves its bits as they were. A row of -inf stays
+    -inf.
+    """
+    peak = logits.amax(dim=-1, keepdim=True)
+    terms = (logits - peak).clamp_(min=-87.0).exp_()
+    return torch.where(peak.isneginf(), peak, terms.sum(dim=-1, keepdim=True).log_() + peak)
 
 
 def _min_p(logits: torch.Tensor, min_ps: Sequence[float]) -> None:

@@ -15,6 +15,7 @@ from engine.sampling.sampler import (
     HISTORY_FOLD,
     Sampler,
     SamplingRow,
+    _logsumexp,
     apply_logit_bias,
     apply_penalties,
     seeded_generator,
@@ -243,6 +244,19 @@ def test_repetition_penalty_follows_outputs_as_they_grow() -> None:
         for r in rows:
             r.output_token_ids.append(int(torch.randint(0, 100, (), generator=generator)))
     assert all(r.history_outputs for r in rows if r.params.repetition_penalty != 1.0)
+
+
+def test_logsumexp_without_denormals_has_torchs_bits() -> None:
+    """Low temperatures (logits scaled up to 100x), masked tokens and a wholly masked row."""
+    generator = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        scale = float(torch.rand((), generator=generator)) * 100
+        logits = torch.randn(3, 5000, generator=generator) * scale
+        if trial % 3 == 0:
+            logits[torch.rand(3, 5000, generator=generator) < 0.9] = -torch.inf
+        if trial % 10 == 0:
+            logits[1] = -torch.inf
+        assert torch.equal(_logsumexp(logits), logits.logsumexp(dim=-1, keepdim=True))
 
 
 def test_penalties_apply_only_to_their_rows() -> None:
