@@ -47,18 +47,17 @@ class _Launched:
     logits: torch.Tensor
 
 
-def _unfinished_rows(items: list[ScheduledSequence], device: torch.device) -> torch.Tensor | None:
-    """The indices of the sampled logits rows of the `items` (a batch's sampling ones,
-    each with `num_sampled_rows` rows in order) whose sequence is unfinished; None when
-    every one is."""
-    if not any(item.seq.is_finished for item in items):
-        return None
+def _rows_of_unfinished(
+    items: list[ScheduledSequence], num_rows: list[int], device: torch.device
+) -> torch.Tensor:
+    """The indices of the rows of the `items` whose sequence is unfinished, where item i
+    has `num_rows[i]` consecutive rows, in the items' order."""
     rows: list[int] = []
     offset = 0
-    for item in items:
+    for item, count in zip(items, num_rows, strict=True):
         if not item.seq.is_finished:
-            rows += range(offset, offset + item.num_sampled_rows)
-        offset += item.num_sampled_rows
+            rows += range(offset, offset + count)
+        offset += count
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
@@ -472,17 +471,19 @@ class LLMEngine:
         """Sample the launched batch's rows of the sequences still unfinished, append their
         tokens and check them by id (`_apply_tokens`)."""
         batch, logits = launched.batch, launched.logits
-        items = [item for item in batch.sampling if not item.seq.is_finished]
+        every = batch.sampling
+        items = [item for item in every if not item.seq.is_finished]
         sampling = [self._samples[item.seq.seq_id] for item in items]
+        num_sampled = batch.num_sampled_rows
         try:
-            rows = _unfinished_rows(batch.sampling, logits.device)
+            sampled_logits = logits[:num_sampled]
+            if len(items) < len(every):
+                num_rows = [item.num_sampled_rows for item in every]
+                sampled_logits = logits[_rows_of_unfinished(every, num_rows, logits.device)]
             generators = generator_states(items, sampling)
-            sampled = self.sampler.sample(
-                logits[: batch.num_sampled_rows] if rows is None else logits[rows],
-                sampling_rows(items, sampling),
-            )
-            if len(logits) > batch.num_sampled_rows:
-                self._add_prompt_logprobs(batch, logits[batch.num_sampled_rows :])
+            sampled = self.sampler.sample(sampled_logits, sampling_rows(items, sampling))
+            if len(logits) > num_sampled:
+                self._add_prompt_logprobs(batch, logits[num_sampled:])
         except Exception as exc:
             self._fail(batch, exc, touched)
             return []
@@ -500,22 +501,19 @@ class LLMEngine:
         logprob of prompt token s + j + 1. The request hands them out with its next output
         after they are whole (the final chunk samples, so that is no later than its first
         token's). Rows of sequences finished since the batch was scheduled are skipped."""
-        items, targets, counts, rows = [], [], [], []
-        offset = 0
-        for item in batch.scheduled:
-            num_rows = item.num_prompt_logprob_rows
-            if num_rows and not item.seq.is_finished:
-                start = item.num_computed_tokens
-                targets += item.seq.prompt_token_ids[start + 1 : start + 1 + num_rows]
-                count = self._requests[item.seq.request_id].request.params.prompt_logprobs
-                counts += [count or 0] * num_rows
-                rows += range(offset, offset + num_rows)
-                items.append(item)
-            offset += num_rows
+        every = [item for item in batch.scheduled if item.num_prompt_logprob_rows]
+        items = [item for item in every if not item.seq.is_finished]
+        if len(items) < len(every):
+            num_rows = [item.num_prompt_logprob_rows for item in every]
+            logits = logits[_rows_of_unfinished(every, num_rows, logits.device)]
+        targets, counts = [], []
+        for item in items:
+            start, num_rows = item.num_computed_tokens, item.num_prompt_logprob_rows
+            targets += item.seq.prompt_token_ids[start + 1 : start + 1 + num_rows]
+            count = self._requests[item.seq.request_id].request.params.prompt_logprobs
+            counts += [count or 0] * num_rows
         if not items:
             return
-        if len(rows) < offset:
-            logits = logits[torch.tensor(rows, device=logits.device)]
         entries = prompt_logprobs(logits, targets, counts)
         offset = 0
         for item in items:

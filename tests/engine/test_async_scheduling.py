@@ -169,3 +169,31 @@ def test_a_batch_left_in_flight_with_no_live_row_is_passed_over(engines):
     after = pipelined.generate("Paged attention", greedy, use_tqdm=False)[0].outputs[0]
     assert after.token_ids == tokens
     assert engine.stats().used_kv_blocks == 0
+
+
+def test_prompt_logprob_rows_of_an_aborted_chunk_in_flight_are_dropped(
+    tiny_model_paths, engines, caplog
+):
+    """Two prompts with prompt logprobs prefill in 8-token chunks; one is aborted while its
+    next chunk is in flight: no step fails, and the other's prompt logprobs are those the
+    sync engine gives."""
+    sync, _ = engines
+    pipelined = make_llm(tiny_model_paths["llama"], async_scheduling=True, max_num_batched_tokens=8)
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True, prompt_logprobs=2)
+    prompt = "The quick brown fox jumps over the lazy dog"
+    expected = sync.generate(prompt, params, use_tqdm=False)[0].prompt_logprobs
+    engine = pipelined.engine
+    engine.add_request("aborted", engine.processor.from_prompt("Paged attention " * 5, params))
+    engine.add_request("kept", engine.processor.from_prompt(prompt, params))
+    engine.step()  # the first chunks; the next are in flight
+    assert engine._launched is not None and engine._launched.batch.num_prompt_logprob_rows
+    engine.abort_request("aborted")
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    assert not [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    (got,) = [o.prompt_logprobs for o in outputs if o.prompt_logprobs is not None]
+    assert [e and (e.token_id, e.logprob) for e in got] == [
+        e and (e.token_id, e.logprob) for e in expected
+    ]
+    assert engine.stats().used_kv_blocks == 0
