@@ -503,17 +503,17 @@ class LLMEngine:
         token's). Rows of sequences finished since the batch was scheduled are skipped."""
         every = [item for item in batch.scheduled if item.num_prompt_logprob_rows]
         items = [item for item in every if not item.seq.is_finished]
+        if not items:
+            return
         if len(items) < len(every):
-            num_rows = [item.num_prompt_logprob_rows for item in every]
-            logits = logits[_rows_of_unfinished(every, num_rows, logits.device)]
+            every_rows = [item.num_prompt_logprob_rows for item in every]
+            logits = logits[_rows_of_unfinished(every, every_rows, logits.device)]
         targets, counts = [], []
         for item in items:
             start, num_rows = item.num_computed_tokens, item.num_prompt_logprob_rows
             targets += item.seq.prompt_token_ids[start + 1 : start + 1 + num_rows]
             count = self._requests[item.seq.request_id].request.params.prompt_logprobs
             counts += [count or 0] * num_rows
-        if not items:
-            return
         entries = prompt_logprobs(logits, targets, counts)
         offset = 0
         for item in items:

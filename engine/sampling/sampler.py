@@ -241,11 +241,14 @@ def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.
     # once; the frequency penalty adds once per occurrence.
     penalised_logits = logits.clone()
     flat = penalised_logits.view(-1)
-    if any(p.repetition_penalty != 1.0 for p in params):
+    # Only the rows with a repetition penalty gather their ids (1.0 changes no bit).
+    repeating = [i for i in penalised if rows[i].params.repetition_penalty != 1.0]
+    if repeating:
         seen, row_of = _history_positions(
-            [rows[i] for i in penalised], penalised, vocab_size, device
+            [rows[i] for i in repeating], repeating, vocab_size, device
         )
-        penalty = torch.tensor([p.repetition_penalty for p in params], device=device)[row_of]
+        penalties = [rows[i].params.repetition_penalty for i in repeating]
+        penalty = torch.tensor(penalties, device=device)[row_of]
         values = flat[seen]
         flat[seen] = torch.where(values > 0, values / penalty, values * penalty)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
