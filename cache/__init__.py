@@ -1,10 +1,8 @@
 """KV-cache block manager: block pool, free queue, prefix cache, profiling."""
 
-from cache.block import KVCacheBlock, cdiv
-from cache.block_hash import extend_block_hashes, hash_block
+from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes, hash_block
 from cache.block_manager import AllocStatus, BlockManager
 from cache.block_map import BlockState
-from cache.free_queue import FreeBlockQueue
 from cache.profiling import (
     InsufficientKVCacheError,
     bytes_per_block,

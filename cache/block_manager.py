@@ -6,10 +6,8 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cache.block import KVCacheBlock, cdiv
-from cache.block_hash import extend_block_hashes
+from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes
 from cache.block_map import block_map
-from cache.free_queue import FreeBlockQueue
 from cache.stats import CacheStats
 
 # The prefix id a sequence's first block extends: the empty prefix. Real ids count up from 1.

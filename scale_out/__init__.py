@@ -7,5 +7,5 @@ health-checks the replicas; a Ray Serve request router (`router.PrefixAwareRoute
 the replica for each request by the KV-cache block hashes of its prompt.
 
 Dependencies: scale_out -> server -> engine -> scheduler -> cache, plus the cache's block
-hash (`cache.block_hash`) so that the router and the replicas agree on what a prefix is.
+hash (`cache.block`) so that the router and the replicas agree on what a prefix is.
 """

@@ -4,7 +4,7 @@ the replica.
 The ingress renders and tokenizes the prompt exactly as a replica would (the same
 tokenizer, `RequestProcessor.render_chat` / `encode`, and the server's own
 `render` of a conversation for chats), then hashes its full blocks with the cache's own chained
-hash (`cache.block_hash.extend_block_hashes`). So block i of a request here is block i of
+hash (`cache.block.extend_block_hashes`). So block i of a request here is block i of
 that request in any replica's prefix cache, and two requests share their first k hashes
 exactly when a replica could serve the second one's first k blocks from the first's. The
 replica takes the token ids and hashes as they are (`server.rendered_prompt`).
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from cache.block_hash import extend_block_hashes
+from cache.block import extend_block_hashes
 from engine.request.intake import RenderedPrompt, RequestProcessor
 from server.conversation import render
 from server.protocol import ChatCompletionRequest, CompletionRequest

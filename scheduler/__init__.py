@@ -1,9 +1,13 @@
 """Continuous-batching scheduler over request state and the KV block manager."""
 
-from scheduler.scheduler import Scheduler
-from scheduler.scheduler_output import ScheduledSequence, SchedulerOutput
-from scheduler.sequence import FinishReason, Sequence, SequenceStatus
-from scheduler.waiting_queue import SCHEDULING_POLICIES, SchedulingPolicy
+from scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulingPolicy
+from scheduler.sequence import (
+    FinishReason,
+    ScheduledSequence,
+    SchedulerOutput,
+    Sequence,
+    SequenceStatus,
+)
 
 __all__ = [
     "SCHEDULING_POLICIES",

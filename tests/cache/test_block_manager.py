@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
-import cache.block_hash
+import cache.block
 from cache import AllocStatus, BlockManager
 
 BS = 4  # block size in most tests
@@ -128,7 +128,7 @@ def test_block_map_tells_free_cached_used_and_shared_blocks_apart() -> None:
 def test_forced_hash_collision_is_detected_and_not_shared(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(cache.block_hash, "hash_block", lambda parent, tokens: 42)
+    monkeypatch.setattr(cache.block, "hash_block", lambda parent, tokens: 42)
     bm = BlockManager(10, BS, watermark=0)
     _run(bm, "a", _tokens(9))
     # Block 1 collides with block 0 on registration: it stays unregistered.
@@ -140,7 +140,7 @@ def test_forced_hash_collision_is_detected_and_not_shared(
 
 def test_collision_of_parents_is_not_shared(monkeypatch: pytest.MonkeyPatch) -> None:
     """A hash that ignores the parent: equal tokens after different prefixes must miss."""
-    monkeypatch.setattr(cache.block_hash, "hash_block", lambda parent, tokens: hash(tuple(tokens)))
+    monkeypatch.setattr(cache.block, "hash_block", lambda parent, tokens: hash(tuple(tokens)))
     bm = BlockManager(12, BS, watermark=0)
     first, other, tail = _tokens(4), _tokens(4, 10), _tokens(4, 20)
     _run(bm, "a", [*first, *tail, 0])  # registers `tail` after `first`

@@ -214,9 +214,7 @@ class WeakHashMachine(BlockManagerMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._patch = mock.patch(
-            "cache.block_hash.hash_block", lambda parent, tokens: sum(tokens) % 3
-        )
+        self._patch = mock.patch("cache.block.hash_block", lambda parent, tokens: sum(tokens) % 3)
         self._patch.start()
 
     def teardown(self) -> None:

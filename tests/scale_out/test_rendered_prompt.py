@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import cache.block_hash
+import cache.block
 from engine import LLM, SamplingParams
 from engine.request.intake import RenderedPrompt
 from scale_out.forwarding import ForwardedRequest, call_app
@@ -91,10 +91,8 @@ def test_n_samples_hash_their_prompt_once(
 ) -> None:
     llm = LLM(str(tiny_model_paths["llama"]), dtype="float32", kv_cache_memory="16MiB")
     hashed: list[int] = []
-    real = cache.block_hash.hash_block
-    monkeypatch.setattr(
-        cache.block_hash, "hash_block", lambda *args: hashed.append(1) or real(*args)
-    )
+    real = cache.block.hash_block
+    monkeypatch.setattr(cache.block, "hash_block", lambda *args: hashed.append(1) or real(*args))
     params = SamplingParams(n=4, max_tokens=2, temperature=1.0, seed=1)
     [output] = llm.generate([list(TOKENS)], params)
     assert len(output.outputs) == 4

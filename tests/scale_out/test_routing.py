@@ -12,7 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoTokenizer
 
-from cache.block_hash import extend_block_hashes
+from cache.block import extend_block_hashes
 from cache.block_manager import BlockManager
 from engine.request.intake import RequestProcessor
 from engine.sampling.params import SamplingParams

@@ -11,7 +11,7 @@ import random
 
 from cache.block_manager import BlockManager
 from scheduler import Scheduler, SchedulerOutput, Sequence
-from scheduler.waiting_queue import priority_rank
+from scheduler.scheduler import priority_rank
 
 
 def add_request(

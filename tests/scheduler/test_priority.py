@@ -10,7 +10,7 @@ import pytest
 
 from cache.block_manager import BlockManager
 from scheduler import Scheduler, SchedulingPolicy, SequenceStatus
-from scheduler.waiting_queue import PriorityQueue
+from scheduler.scheduler import PriorityQueue
 from tests.scheduler.fake_engine import FakeEngine, add_request
 
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-import cache.block_hash
+import cache.block
 from cache.block_manager import BlockManager
 from scheduler import Scheduler, Sequence, SequenceStatus
 from tests.scheduler.fake_engine import FakeEngine, add_request
@@ -284,13 +284,13 @@ def test_each_block_of_a_sequence_is_hashed_once(monkeypatch: pytest.MonkeyPatch
     decoding each hash every one of their full blocks once (the scheduler keeps the
     hashes on the sequence)."""
     hashed: list[tuple[int | None, tuple[int, ...]]] = []
-    original = cache.block_hash.hash_block
+    original = cache.block.hash_block
 
     def counting(parent: int | None, tokens: list[int]) -> int:
         hashed.append((parent, tuple(tokens)))
         return original(parent, tokens)
 
-    monkeypatch.setattr(cache.block_hash, "hash_block", counting)
+    monkeypatch.setattr(cache.block, "hash_block", counting)
     engine = make_engine(12, 4, max_num_seqs=2, max_num_batched_tokens=64)
     (running,) = add_request(engine.scheduler, "running", prompt(36), max_tokens=8)
     engine.step()

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from cache.block_manager import BlockManager
 from scheduler import SCHEDULING_POLICIES, Scheduler, SchedulingPolicy, Sequence, SequenceStatus
-from scheduler.waiting_queue import priority_rank
+from scheduler.scheduler import priority_rank
 from tests.scheduler.fake_engine import FakeEngine, add_request
 
 # Prompts start with a prefix of one of these, so requests often share cached blocks.
