@@ -8,9 +8,8 @@ import torch
 from transformers import PreTrainedModel
 
 from cache import cdiv
-from engine.model.block_tables import BlockTables
 from engine.model.step_executor import EagerSteps, StepExecutor
-from engine.model.step_inputs import Staging, build_step_inputs
+from engine.model.step_inputs import BlockTables, Staging, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
 
 

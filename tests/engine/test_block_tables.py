@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 
 from engine import LLM, SamplingParams
-from engine.model.block_tables import BlockTables
 from engine.model.runner import ModelRunner
+from engine.model.step_inputs import BlockTables
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
 from tests.engine.test_greedy_equivalence import (  # references: a fixture used here
     MAX_TOKENS,
