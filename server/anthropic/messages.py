@@ -17,8 +17,7 @@ from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
-from engine.sampling.defaults import with_defaults
-from engine.sampling.params import SamplingParams, StructuredOutputs
+from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
 from server.admission import Deadline
 from server.anthropic.conversation import conversation, reply_blocks, tool_use
 from server.anthropic.errors import AnthropicRoute, error_body

@@ -1,4 +1,4 @@
-"""Sampling defaults from generation configs (engine/sampling/defaults.py), the two
+"""Sampling defaults from generation configs (engine/sampling/params.py), the two
 settings that choose them, and the offline `LLM`'s use of them."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from transformers import GenerationConfig
 
 from engine import LLM
 from engine.config import ConfigError, EngineConfig, load_config
-from engine.sampling.defaults import (
+from engine.sampling.params import (
     ensure_generation_config,
     resolve_defaults,
     sampling_defaults,
