@@ -26,8 +26,7 @@ from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
 from engine.request.intake import EngineRequest, RequestProcessor
-from engine.request.sample import SampleState
-from engine.request.state import RequestState
+from engine.request.state import RequestState, SampleState
 from engine.sampling.params import resolve_defaults
 from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot

@@ -52,7 +52,7 @@ class SamplingRow:
     `generator` is the sequence's own RNG when its request has a seed (see
     `seeded_generator`), else None. `stop_token_ids` are the tokens that would end the
     sequence, masked while it has fewer than `min_tokens` outputs; the sample that owns the
-    row decides them (`engine.request.sample.ending_token_ids`). `matcher`, for a request
+    row decides them (`engine.request.state.ending_token_ids`). `matcher`, for a request
     with structured outputs, is the sample's grammar constraint: tokens it forbids are
     masked. `history` is the repetition penalty's memo, kept by the sampler on the logits'
     device: the prompt's distinct ids, then the first `history_outputs` output ids, so a

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from engine.request.sample import SampleState
+from engine.request.state import SampleState
 from engine.speculative.config import SpeculativeConfig
 from engine.speculative.ngram import NgramIndex
 

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import torch
 
-from engine.request.sample import SampleState
+from engine.request.state import SampleState
 from engine.sampling.sampler import SamplingRow
 from scheduler import ScheduledSequence
 

@@ -16,7 +16,7 @@ import pytest
 from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.outputs import RequestOutput
-from engine.request.sample import SampleState
+from engine.request.state import SampleState
 
 
 def make_llm(path: Path, **settings) -> LLM:

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.request.sample import StopChecker
+from engine.request.state import StopChecker
 
 
 def feed(checker: StopChecker, deltas: list[str]) -> list[str]:

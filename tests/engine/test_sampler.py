@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from engine.request.sample import ending_token_ids
+from engine.request.state import ending_token_ids
 from engine.sampling import sampler as sampler_module
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
