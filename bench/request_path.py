@@ -1,10 +1,12 @@
 """Which of the project's files run while one streaming chat request is served.
 
-`python -m bench.request_path` serves the model in this process, sends one streaming chat
-completion with logprobs after a warm-up request, and prints every project file in which
-a Python function was called during it, on any thread (event loop, intake, engine). It
-measures how many rooms one request passes through; a profiler hook on every thread makes
-the server slow meanwhile, so it times nothing.
+`python -m bench.request_path` serves `make serve`'s settings (configs/default.yaml) in
+this process, sends one streaming chat completion with logprobs after a warm-up request,
+and prints every project file in which a Python function was called during it, on any
+thread (event loop, intake, engine), except calls made by the dashboard's once-a-second
+sampler, which runs beside requests, not for them. It measures how many rooms one request
+passes through; a profiler hook on every thread makes the server slow meanwhile, so it
+times nothing.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ import uvicorn
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("server", "engine", "scheduler", "cache")
+# Code that runs beside the request on its own clock: what it calls is not the request's.
+BESIDE = ROOT / "server" / "dashboard" / "history.py"
 
 
 class FileRecorder:
@@ -35,26 +39,36 @@ class FileRecorder:
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         if self.on and event == "call":
             path = Path(frame.f_code.co_filename)
-            if path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES:
+            mine = path.is_relative_to(ROOT) and path.relative_to(ROOT).parts[0] in PACKAGES
+            if mine and not _beside(frame):
                 self.files.add(str(path.relative_to(ROOT)))
+
+
+def _beside(frame: FrameType | None) -> bool:
+    """Whether `frame` runs for the dashboard's sampler (it, or a call it made)."""
+    while frame is not None:
+        if frame.f_code.co_filename == str(BESIDE):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="default", help="pagedserve's model setting")
+    parser.add_argument(
+        "--config", default=str(ROOT / "configs" / "default.yaml"), help="a serve config file"
+    )
     args = parser.parse_args()
     recorder = FileRecorder()
     # Installed first, so every thread the server starts inherits the hook.
     threading.setprofile(recorder)
     sys.setprofile(recorder)
     from server.app import build_app
-    from server.config import ServeConfig
+    from server.config import resolve_serve_config
 
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = ServeConfig(
-        model=args.model, device="cpu", max_model_len=1024, kv_cache_memory="256MiB"
-    )
+    config = resolve_serve_config(args.config, {}, {})
     app = build_app(config.model_copy(update={"port": sock.getsockname()[1]}))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)

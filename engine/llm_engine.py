@@ -30,8 +30,7 @@ from engine.request.state import RequestState, SampleState
 from engine.sampling.params import resolve_defaults
 from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
-from engine.speculative.speculator import Speculator
-from engine.speculative.verification import generator_states, rewind, sampling_rows
+from engine.speculative.speculator import Speculator, generator_states, rewind, sampling_rows
 from scheduler import FinishReason, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
 
 logger = logging.getLogger(__name__)
@@ -535,7 +534,7 @@ class LLMEngine:
     ) -> list[tuple[SampleState, FinishReason | None]]:
         """Append each sampling sequence's token (`items`, the batch's unfinished ones) and,
         for a sequence with draft tokens, the tokens its verification keeps
-        (`engine.speculative.verification`). A sample that its token ids end is finished
+        (`engine.speculative.speculator`). A sample that its token ids end is finished
         now. With draft tokens each kept token's text is checked before the next is kept, so
         nothing past a stop string is kept; the others' text is left to `_add_texts` (after
         the next launch, with async scheduling): they are returned with what their ids

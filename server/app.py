@@ -26,8 +26,7 @@ from engine.errors import SETTINGS_ERRORS
 from server import capabilities, chat, completions, info, responses, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
-from server.errors import install_error_handlers
-from server.request_id import RequestIdMiddleware
+from server.errors import RequestIdMiddleware, install_error_handlers
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 is used:
 
 - the dashboard (`server.dashboard`), installed on the app at start-up;
-- tool calling (`server.tools`), a `ToolCalling` (server/tool_calling.py) made the first
+- tool calling (`server.tools`), a `ToolCalling` (server/conversation.py) made the first
   time a request offers tools or holds earlier calls.
 
 A room that cannot be imported (its folder removed, a dependency not installed) leaves
@@ -19,7 +19,7 @@ from fastapi import FastAPI
 
 if TYPE_CHECKING:
     from engine.request.intake import SpecialTokens
-    from server.tool_calling import ToolCalling
+    from server.conversation import ToolCalling
 
 logger = logging.getLogger(__name__)
 

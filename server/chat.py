@@ -17,10 +17,18 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import require_api_key
-from server.conversation import render
+from server.conversation import CallStream, OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
-from server.generation import count_usage, final_outputs, generate, new_request_id
-from server.handling import Handling, json_response
+from server.handling import (
+    DONE,
+    Handling,
+    count_usage,
+    final_outputs,
+    generate,
+    json_response,
+    new_request_id,
+    sse,
+)
 from server.logprobs import chat_logprobs, prompt_logprobs
 from server.protocol import (
     ChatChoice,
@@ -37,8 +45,6 @@ from server.protocol import (
 )
 from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
 from server.state import ServerState
-from server.streaming import DONE, sse
-from server.tool_calling import CallStream, OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

@@ -21,8 +21,17 @@ from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import require_api_key
 from server.errors import OpenAIError, engine_failure, error_body, user_errors
-from server.generation import count_usage, final_outputs, generate, new_request_id
-from server.handling import Handling, json_response
+from server.handling import (
+    DONE,
+    Handling,
+    count_usage,
+    final_outputs,
+    generate,
+    json_response,
+    new_request_id,
+    rendered_prompt,
+    sse,
+)
 from server.logprobs import CompletionLogprobsFormatter, joined, prompt_logprobs
 from server.protocol import (
     CompletionChoice,
@@ -31,9 +40,7 @@ from server.protocol import (
     CompletionResponse,
     Usage,
 )
-from server.rendered_prompt import rendered_prompt
 from server.state import ServerState
-from server.streaming import DONE, sse
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

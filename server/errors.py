@@ -2,12 +2,19 @@
 
 User errors are 4xx and name the offending parameter where there is one; engine failures
 and bugs are 500s that carry the request id so a user report can be matched to the log.
+
+That id is the X-Request-Id every response carries (`RequestIdMiddleware`): the client's
+own id when it sent a sane one, else a new one. The middleware is pure ASGI (not
+BaseHTTPMiddleware), so streaming responses and client disconnects pass through untouched.
+It puts the id in `request.state.request_id` for logs and 500 messages; it is for
+correlation only and never used as an engine request id, since clients may reuse it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
@@ -16,6 +23,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import EngineError
 from server.protocol import FIELD_ERROR, UNSUPPORTED_FIELDS, undeclared_field_reason
@@ -212,3 +220,39 @@ async def _unexpected_error(request: Request, exc: Exception) -> Response:
     message = f"internal server error (request id {rid})"
     headers = {"X-Request-Id": rid}
     return error_response(OpenAIError(500, message, type="server_error", headers=headers))
+
+
+REQUEST_ID_HEADER = b"x-request-id"
+REQUEST_ID_MAX_LENGTH = 128
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _incoming_id(scope) or uuid.uuid4().hex
+        scope.setdefault("state", {})["request_id"] = request_id
+        encoded = request_id.encode("ascii")
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (k, v) for k, v in message.get("headers", []) if k.lower() != REQUEST_ID_HEADER
+                ]
+                message = {**message, "headers": [*headers, (REQUEST_ID_HEADER, encoded)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _incoming_id(scope: Scope) -> str | None:
+    for key, value in scope["headers"]:
+        if key == REQUEST_ID_HEADER:
+            text = value.decode("latin-1")
+            if 0 < len(text) <= REQUEST_ID_MAX_LENGTH and text.isascii() and text.isprintable():
+                return text
+    return None

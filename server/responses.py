@@ -24,10 +24,9 @@ from pydantic import BaseModel
 from engine.errors import EngineError
 from server.admission import Deadline
 from server.auth import key_owner, require_api_key
-from server.conversation import render
+from server.conversation import OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, user_errors
-from server.generation import count_usage, final_outputs, generate
-from server.handling import Handling, json_response
+from server.handling import Handling, count_usage, final_outputs, generate, json_response
 from server.reasoning import ReasoningSyntax, reasoning_tokens, split_reasoning
 from server.responses_input import as_chat_request, stored_items, thinking_variables
 from server.responses_output import Event, Reply, new_item_id
@@ -44,7 +43,6 @@ from server.responses_protocol import (
     ResponseUsage,
 )
 from server.state import ServerState, server_state
-from server.tool_calling import OfferedTools, ToolRequest
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

@@ -32,7 +32,7 @@ from server.responses_protocol import (
 
 if TYPE_CHECKING:
     from engine.outputs import CompletionOutput
-    from server.tool_calling import CallStream
+    from server.conversation import CallStream
 
 Event = dict[str, Any]  # a stream event without its sequence number
 Part = OutputText | OutputReasoningText

@@ -21,7 +21,7 @@ if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
     from engine.request.intake import SpecialTokens
     from engine.snapshot import EngineStats
-    from server.tool_calling import ToolCalling
+    from server.conversation import ToolCalling
 
 # The tools room's door (`server.capabilities.tool_calling`): the `tool_call_parser`
 # setting, the chat template and the special tokens in; None where the room is missing.

@@ -1,13 +1,33 @@
-"""Who gets drafts this step, and how long: prompt lookup where it has earned its place."""
+"""Exact speculative decoding by prompt lookup: who gets drafts this step and how long
+(`Speculator`, where lookup has earned its place), the drafts themselves (`NgramIndex`:
+the tokens that followed the latest earlier occurrence of the context's last n-gram,
+vLLM's "ngram" method, llama.cpp's lookup decoding), and their verification.
+
+Verification is exact: a draft token is taken only where the sample, at that position and
+with that position's random draw, would have sampled it anyway. A sequence scheduled with
+d draft tokens samples at d + 1 positions of one forward. Row j is sampled as the sequence
+would be after its first j draft tokens: its penalties, `min_tokens` and grammar see those
+tokens as output, and a seeded row's noise is the generator's next draw, so row j takes
+draw number `num_output_tokens + j`, the draw that output position would take in a step of
+its own. The forward is row-invariant, so row j's logits are the ones that position gets
+without speculation. Draft j is taken while row j sampled it; the first row that sampled
+something else gives the step's last token. A seeded generator then goes back to just
+after the draws of the tokens kept, so the next step's draw is the one it would be
+without speculation.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Sequence as SequenceOf
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from engine.request.state import SampleState
+from engine.sampling.sampler import SamplingRow
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.ngram import NgramIndex
+from scheduler import ScheduledSequence, Sequence
 
 # The rows of a step that drafts may fill, decoding sequences' own rows included: up to
 # about 8, a step of the compiled int4 forward cost about what a step of one row costs on
@@ -122,3 +142,92 @@ def _usable(sample: SampleState, draft: list[int]) -> list[int]:
     if matcher is not None and draft:
         draft = draft[: matcher.validate_tokens(draft)]
     return draft
+
+
+class NgramIndex:
+    """Where each n-gram of one sequence's tokens, `min_n <= n <= max_n`, last ended.
+
+    Invariant: `_latest[n - min_n]` maps every n-gram that ends (exclusive) at a position
+    `e <= _indexed_end` to the largest such `e`. A sequence's tokens only grow (preemption
+    keeps them), so each step indexes just the n-grams its new tokens end: O(new tokens x
+    n range) a step, not O(context).
+    """
+
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n = min_n
+        self.max_n = max_n
+        self._latest: list[dict[tuple[int, ...], int]] = [{} for _ in range(min_n, max_n + 1)]
+        self._indexed_end = 0
+
+    def propose(self, seq: Sequence, num_tokens: int) -> list[int]:
+        """Up to `num_tokens` tokens that followed, at its latest earlier occurrence, the
+        longest of the context's last n-grams that occurred before; [] when none did."""
+        length = seq.num_tokens
+        self._index_up_to(seq, length - 1)  # every n-gram but the context's own last ones
+        for n in range(min(self.max_n, length - 1), self.min_n - 1, -1):
+            end = self._latest[n - self.min_n].get(tuple(seq.get_token_ids(length - n, length)))
+            if end is not None:
+                return seq.get_token_ids(end, min(end + num_tokens, length))
+        return []
+
+    def _index_up_to(self, seq: Sequence, end: int) -> None:
+        if end <= self._indexed_end:
+            return
+        start = max(self._indexed_end + 1 - self.max_n, 0)
+        tokens = seq.get_token_ids(start, end)
+        for n, latest in enumerate(self._latest, self.min_n):
+            first = max(self._indexed_end + 1, n)  # the first new end with a whole n-gram
+            for stop in range(first, end + 1):
+                latest[tuple(tokens[stop - n - start : stop - start])] = stop
+        self._indexed_end = end
+
+
+def sampling_rows(
+    scheduled: SequenceOf[ScheduledSequence], samples: SequenceOf[SampleState]
+) -> list[SamplingRow]:
+    """The sampler's rows for a step's sampling chunks, in the forward's logits order:
+    one per chunk, plus one per draft token (see the module's docstring)."""
+    rows: list[SamplingRow] = []
+    for item, sample in zip(scheduled, samples, strict=True):
+        rows.append(sample.row)
+        if item.draft_token_ids:
+            rows += _draft_rows(sample, item.draft_token_ids)
+    return rows
+
+
+def _draft_rows(sample: SampleState, draft: tuple[int, ...]) -> list[SamplingRow]:
+    """The rows after each of `draft`'s tokens, as if the sample had output them."""
+    row = sample.row
+    output = list(sample.seq.output_token_ids)
+    rows = []
+    for j in range(1, len(draft) + 1):
+        matcher = None
+        if row.matcher is not None:
+            matcher = row.matcher.deep_copy()
+            matcher.consume_tokens(list(draft[:j]))
+        rows.append(replace(row, output_token_ids=output + list(draft[:j]), matcher=matcher))
+    return rows
+
+
+def generator_states(
+    scheduled: SequenceOf[ScheduledSequence], samples: SequenceOf[SampleState]
+) -> dict[str, torch.Tensor]:
+    """The state, before sampling, of each seeded random sample's generator that will
+    draw for draft rows, by sequence id (for `rewind`)."""
+    return {
+        sample.seq.seq_id: sample.row.generator.get_state()
+        for item, sample in zip(scheduled, samples, strict=True)
+        if item.draft_token_ids
+        and sample.row.generator is not None
+        and not sample.row.params.greedy
+    }
+
+
+def rewind(generator: torch.Generator, state: torch.Tensor, num_draws: int, vocab: int) -> None:
+    """Put `generator` back to `state`, then make `num_draws` row draws of `vocab` values,
+    as the sampler does for each token (`_sample_random`): the state after the draws of
+    the tokens that were kept."""
+    generator.set_state(state)
+    noise = torch.empty(vocab, device=generator.device)
+    for _ in range(num_draws):
+        noise.uniform_(generator=generator)

@@ -23,9 +23,15 @@ from server.anthropic.protocol import (
     ThinkingOut,
     ToolUseOut,
 )
-from server.conversation import Conversation, render
+from server.conversation import (
+    Conversation,
+    Function,
+    OfferedTools,
+    ToolCalling,
+    ToolRequest,
+    render,
+)
 from server.protocol import ChatMessage, FunctionCall, ToolCall
-from server.tool_calling import Function, OfferedTools, ToolCalling, ToolRequest
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -3,7 +3,7 @@
 A thin adapter over the chat path: the conversation becomes chat messages and tools
 (server/anthropic/conversation.py), rendered by the same chat template on the engine's
 intake thread, sampled under the same grammar of tool calls and the same admission,
-deadline and stop handling (server/generation.py); the reply's text is split into
+deadline and stop handling (server/handling.py); the reply's text is split into
 thinking (server/reasoning.py), text and tool uses, as JSON or as Anthropic's events.
 """
 
@@ -31,12 +31,11 @@ from server.anthropic.protocol import (
     Usage,
 )
 from server.auth import require_api_key
+from server.conversation import OfferedTools
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
-from server.generation import final_outputs, generate, new_request_id
-from server.handling import Handling, json_response
+from server.handling import Handling, final_outputs, generate, json_response, new_request_id
 from server.reasoning import ReasoningSyntax, split_reasoning
 from server.state import ServerState
-from server.tool_calling import OfferedTools
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM

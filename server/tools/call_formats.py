@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from server.tool_calling import Function
+from server.conversation import Function
 
 
 @dataclass(frozen=True, slots=True)

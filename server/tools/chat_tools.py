@@ -1,4 +1,4 @@
-"""The tools room's side of `server.tool_calling`: how the served model's conversation
+"""The tools room's side of `server.conversation`: how the served model's conversation
 carries tools and calls, the grammar of the calls (forcing one, or in `auto` holding a
 begun call to its schema), and the calls read back out of a reply's text.
 
@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling.params import StructuredOutputs
-from server.conversation import plain_message
+from server.conversation import ToolRequest, plain_message
 from server.protocol import ChatMessage, ResponseFunctionCall, ResponseToolCall
-from server.tool_calling import ToolRequest
 from server.tools.call_formats import ParsedToolCall, ToolCallFormat, ToolCallStream, choose_format
 from server.tools.call_formats import template_takes_tools as takes_tools
 

@@ -6,8 +6,7 @@ from __future__ import annotations
 import random
 
 from engine.speculative.config import SpeculativeConfig
-from engine.speculative.ngram import NgramIndex
-from engine.speculative.speculator import Speculator
+from engine.speculative.speculator import NgramIndex, Speculator
 from scheduler import Sequence
 
 

@@ -18,8 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.conversation import Function, ToolRequest
 from server.protocol import ChatCompletionRequest, ChatMessage
-from server.tool_calling import Function, ToolRequest
 from server.tools.call_formats import (
     HermesFormat,
     Llama3JsonFormat,
