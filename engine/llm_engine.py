@@ -478,8 +478,9 @@ class LLMEngine:
             if len(items) < len(every):
                 num_rows = [item.num_sampled_rows for item in every]
                 sampled_logits = logits[_rows_of_unfinished(every, num_rows, logits.device)]
-            rows, generators = [sample.row for sample in sampling], {}
-            if self.speculator is not None:  # draft tokens add rows
+            if self.speculator is None:
+                rows, generators = [sample.row for sample in sampling], {}
+            else:  # draft tokens add rows
                 rows, generators = sampling_rows(items, sampling), generator_states(items, sampling)
             sampled = self.sampler.sample(sampled_logits, rows)
             if len(logits) > num_sampled:

@@ -30,24 +30,14 @@ def priority_rank(seq: Sequence) -> tuple[int, float]:
     return seq.priority, seq.arrival_time
 
 
-class FcfsQueue:
-    """Arrival order, except that a preempted sequence goes back to the front, so it is the
-    next admitted (preempted newest first, the preempted ones keep admission order)."""
+class _Queue:
+    """What both policies' queues share: `_seqs`, the waiting sequences in admission order
+    (a deque or a sorted list), read from the front."""
 
-    def __init__(self) -> None:
-        self._seqs: deque[Sequence] = deque()
-
-    def add(self, seq: Sequence) -> None:
-        self._seqs.append(seq)
-
-    def requeue(self, seq: Sequence) -> None:
-        self._seqs.appendleft(seq)
+    _seqs: deque[Sequence] | list[Sequence]
 
     def peek(self) -> Sequence:
         return self._seqs[0]
-
-    def pop(self) -> Sequence:
-        return self._seqs.popleft()
 
     def remove(self, seq: Sequence) -> None:
         self._seqs.remove(seq)
@@ -61,7 +51,24 @@ class FcfsQueue:
         return list(self._seqs)
 
 
-class PriorityQueue:
+class FcfsQueue(_Queue):
+    """Arrival order, except that a preempted sequence goes back to the front, so it is the
+    next admitted (preempted newest first, the preempted ones keep admission order)."""
+
+    def __init__(self) -> None:
+        self._seqs: deque[Sequence] = deque()
+
+    def add(self, seq: Sequence) -> None:
+        self._seqs.append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        self._seqs.appendleft(seq)
+
+    def pop(self) -> Sequence:
+        return self._seqs.popleft()
+
+
+class PriorityQueue(_Queue):
     """Ordered by `priority_rank`, a preempted sequence back in its place like any other;
     equal ranks keep the order they were queued in.
 
@@ -78,22 +85,8 @@ class PriorityQueue:
     def requeue(self, seq: Sequence) -> None:
         self.add(seq)
 
-    def peek(self) -> Sequence:
-        return self._seqs[0]
-
     def pop(self) -> Sequence:
         return self._seqs.pop(0)
-
-    def remove(self, seq: Sequence) -> None:
-        self._seqs.remove(seq)
-
-    def __len__(self) -> int:
-        return len(self._seqs)
-
-    def sequences(self) -> list[Sequence]:
-        """The queue in admission order: a new list, copied in one C call, so another
-        thread may take it while the engine's changes the queue."""
-        return list(self._seqs)
 
 
 WaitingQueue = FcfsQueue | PriorityQueue

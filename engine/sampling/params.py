@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 128
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a logit_bias value: [-100, 100]
@@ -286,8 +288,6 @@ def _normalise_stop(stop: object) -> list[str]:
             raise ValueError(f"stop must hold non-empty strings, got {item!r}")
     return stops
 
-
-logger = logging.getLogger(__name__)
 
 # A generation config's key -> the SamplingParams field it sets the default of.
 GENERATION_CONFIG_KEYS = {
