@@ -80,24 +80,21 @@ RUN site=$(python -c "import sysconfig; print(sysconfig.get_path('purelib'))") \
     && find "$site/torch/bin" -type f ! -name torch_shm_manager -delete \
     && find "$site" -type d \( -name tests -o -name __pycache__ \) -prune -exec rm -rf {} + \
     && find "$site/torch/lib" -type f -name "*.so*" -exec strip --strip-unneeded {} +
-# The default model is converted here, into its package, and the GGUF deleted: the image
-# holds the model once (the GGUF would add 98 MB), ready from the container's first
-# second, and outside /var/cache/pagedserve, so a volume mounted there does not hide it.
-# The same process then loads it as the server does and imports the server with bytecode
-# writing on: the image carries the .pyc files of the modules that serving imports (about
-# 80 MB) rather than of every installed module (about 250 MB).
-RUN PYTHONDONTWRITEBYTECODE= PAGEDSERVE_CACHE=/tmp/pagedserve-cache python -c "import shutil, \
-torch; from engine.model.loader import convert_gguf, default_gguf_path, load_model, \
-prebuilt_default_folder; gguf = default_gguf_path(); \
-shutil.move(convert_gguf(gguf), prebuilt_default_folder()); gguf.unlink(); \
+# The default model's GGUF stays in its package (98 MB): the engine reads it in place, and
+# the step below converts its tensors into the cache the runtime stage carries. This
+# process loads it as the server does and imports the server with bytecode writing on: the
+# image carries the .pyc files of the modules that serving imports (about 80 MB) rather
+# than of every installed module (about 250 MB).
+RUN PYTHONDONTWRITEBYTECODE= PAGEDSERVE_CACHE=/tmp/pagedserve-cache python -c "import torch; \
+from engine.model.loader import load_model; \
 load_model('default', dtype=torch.float32, device=torch.device('cpu')); \
 import server.app, pagedserve.cli" \
     && rm -rf /tmp/pagedserve-cache \
     && chmod -R a+rX /opt/pagedserve
 # The engine as the image serves it, built once here with the baked-in config: the
-# default model's linears quantized (quantization: auto, its Q4_1) and the forward
-# compiled, into the cache the runtime stage carries, so the container starts compiled
-# in seconds. The compiled forward's key holds the KV cache's size: a container given
+# default model's tensors converted for the kernel in their own GGML types (quantization:
+# auto, its Q4_1 and Q8_0) and the forward compiled, into the cache the runtime stage
+# carries, so the container starts compiled in seconds. The compiled forward's key holds the KV cache's size: a container given
 # less memory than kv_cache_memory needs compiles its own (about a minute) at first start.
 ARG CONFIG=configs/default.yaml
 COPY ${CONFIG} /build/config.yaml

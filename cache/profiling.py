@@ -51,13 +51,17 @@ def kv_cache_bytes_cuda(
     return max(0, int(total * memory_utilization) - used_at_peak)
 
 
-def kv_cache_bytes_cpu(*, available: int, memory_utilization: float) -> int:
-    """Bytes the KV cache may take in system memory: `available * memory_utilization`.
+def kv_cache_bytes_cpu(*, available: int, memory_utilization: float, reserved: int = 0) -> int:
+    """Bytes the KV cache may take in system memory: `(available - reserved) *
+    memory_utilization`.
 
     `available` is psutil's figure read with the model already loaded, so it excludes the
-    weights; the `1 - memory_utilization` share left over is the room for activations.
+    weights the model allocated; `reserved` is the weights it maps from a file (a GGUF's
+    converted tensors), which psutil counts as available (page cache, or not yet read) but
+    which every step reads, so the model's own bytes are counted first. The
+    `1 - memory_utilization` share left over is the room for activations.
     """
-    return max(0, int(available * memory_utilization))
+    return max(0, int(max(0, available - reserved) * memory_utilization))
 
 
 def num_kv_blocks(
@@ -74,12 +78,14 @@ def num_kv_blocks(
     cuda_allocated: int | None = None,
     cuda_peak_allocated: int | None = None,
     cpu_available: int | None = None,
+    cpu_reserved: int = 0,
 ) -> int:
     """The number of KV blocks to allocate, from measured numbers.
 
     The profiled budget is `kv_cache_bytes_cuda` (`device_type == "cuda"`, needing
     `cuda_mem_get_info` as `(free, total)`, `cuda_allocated` and `cuda_peak_allocated`) or
-    `kv_cache_bytes_cpu` (`"cpu"`, needing `cpu_available`). An explicit `kv_cache_memory`
+    `kv_cache_bytes_cpu` (`"cpu"`, needing `cpu_available`; `cpu_reserved`, the bytes of
+    memory-mapped weights). An explicit `kv_cache_memory`
     overrides it downwards only: the budget is `min(kv_cache_memory, profiled)`, since more
     than the profiled figure would run the device out of memory. On the CPU an unset
     `kv_cache_memory` means `CPU_DEFAULT_KV_CACHE_MEMORY`. With `max_num_seqs`, never more
@@ -106,7 +112,7 @@ def num_kv_blocks(
         if cpu_available is None:
             raise ValueError("device 'cpu' needs cpu_available")
         profiled = kv_cache_bytes_cpu(
-            available=cpu_available, memory_utilization=memory_utilization
+            available=cpu_available, memory_utilization=memory_utilization, reserved=cpu_reserved
         )
     else:
         raise ValueError(f"unsupported device type {device_type!r}: expected 'cuda' or 'cpu'")
@@ -158,13 +164,15 @@ def profile_num_blocks(
     max_num_seqs: int | None = None,
     cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None,
     cuda_memory_stats: Callable[[], Mapping[str, int]] | None = None,
+    cpu_reserved: int = 0,
 ) -> int:
     """`num_kv_blocks` with the memory figures read now.
 
     Call it right after the profiling forward. On CUDA pass `torch.cuda.mem_get_info` and
     `torch.cuda.memory_stats` (reset the peak before the forward with
     `torch.cuda.reset_peak_memory_stats()` and call `torch.cuda.empty_cache()` after it);
-    on the CPU psutil's available memory is used.
+    on the CPU psutil's available memory is used, less `cpu_reserved` (the model's
+    memory-mapped weights).
     """
     mem_get_info = None
     allocated = peak_allocated = cpu_available = None
@@ -190,4 +198,5 @@ def profile_num_blocks(
         cuda_allocated=allocated,
         cuda_peak_allocated=peak_allocated,
         cpu_available=cpu_available,
+        cpu_reserved=cpu_reserved,
     )

@@ -3,8 +3,9 @@ setting asks for it:
 
 - `engine.compiled`: the compiled forward (CPU) and the decode graphs (CUDA), chosen by
   `enforce_eager` (`step_executor`);
-- `engine.linears`: packed, bf16 and int8/int4 quantized linears, chosen by
-  `quantization`, and packing on the CPU (`quantize`, `pack`);
+- `engine.linears`: packed, bf16 and quantized linears, chosen by `quantization`: a
+  GGUF's own types (`gguf_install`), int8/int4 groups (`quantize`), and packing on the
+  CPU (`pack`);
 - `engine.grammar`: structured outputs and tool-call grammars through llguidance, asked
   for by a request's `structured_outputs` (`grammar_compiler`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    from engine.model.loader import Install
     from engine.model.step_executor import EagerSteps, StepExecutor
     from engine.sampling.logits_constraint import ConstraintCompiler
 
@@ -97,6 +99,15 @@ def quantize(model: PreTrainedModel, mode: str, dtype: torch.dtype, folder: Path
 
     rows = quantized_linear.max_kernel_rows(dtype)
     quantized_linear.quantize_linear_layers(model, mode, rows, folder)
+
+
+def gguf_install(dtype: torch.dtype) -> Install:
+    """What puts a GGUF's weights into a model in their own GGML types (the quantized
+    kernel's layers), for `load_model`; `quantization_unavailable` allowed "gguf"."""
+    from engine.linears import gguf_store, quantized_linear
+
+    rows = quantized_linear.max_kernel_rows(dtype)
+    return lambda model, path: gguf_store.install(model, path, dtype, rows)
 
 
 def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> None:

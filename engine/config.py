@@ -119,11 +119,12 @@ class EngineConfig(BaseModel):
         None, description="default: on CUDA; the next step starts before this one's text"
     )
     # Weight-only quantization of the linear layers (CPU only; engine/linears/quantized_linear.py).
-    # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF in its own
-    # type: a GGUF whose linears are 4-bit (Q4_1, the default model's) runs int4, 5- to
-    # 8-bit runs int8, anything else (and any device or dtype the kernel does not take)
-    # stays unquantized. See docs/quantization.md.
-    quantization: Literal["auto", "none", "int8", "int4"] = "auto"
+    # 'auto' (the default) follows the checkpoint, as llama.cpp serves a GGUF: a GGUF with
+    # quantized tensors runs 'gguf', its tensors in their own GGML types (Q4_K, Q6_K, ...,
+    # the default model's Q4_1); anything else (and any device or dtype the kernel does not
+    # take) stays unquantized. 'int8' and 'int4' quantize the weights again, to pagedserve's
+    # own groups. See docs/quantization.md.
+    quantization: Literal["auto", "none", "gguf", "int8", "int4"] = "auto"
     # Seeds the generator that sampled requests without a `seed` of their own draw from,
     # so a restarted engine given the same requests in the same order repeats itself;
     # null (the default) leaves them to torch's global RNG, different in every process.

@@ -20,7 +20,7 @@ from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
-from engine.model.loader import load_model
+from engine.model.loader import checkpoint_quantization, load_model
 from engine.model.runner import ModelRunner
 from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
@@ -86,12 +86,14 @@ class LLMEngine:
                     f"quantization '{config.quantization}' cannot run in this engine "
                     f"({self.dtype} on {self.device}): {reason}"
                 )
+        self.quantization = mode = self._quantization(config, checkpoint_quantization(config.model))
         # Loaded with transformers' eager attention, which the probe's and then the chosen
         # backend's function replace: the backend takes the KV head size the probe finds.
         loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, attn_implementation="eager"
-        )
-        # Before any weight is packed: the probe runs the model as loaded.
+            config.model, dtype=self.dtype, device=self.device, attn_implementation="eager",
+            install=capabilities.gguf_install(self.dtype) if mode == "gguf" else None,
+        )  # fmt: skip
+        # Before the linears below are packed: the probe runs the model as loaded.
         self.kv_layout = probe_attention(loaded.model)
         self.attention = choose_backend(
             config.attention_backend, self.device, self.dtype, self.kv_layout.head_dim,
@@ -102,10 +104,10 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
         self.eos_token_ids = loaded.eos_token_ids
+        self.mapped_bytes = loaded.mapped_bytes
         self.default_sampling = self._sampling_defaults(config)
-        self.vocab_size = self.model.get_output_embeddings().weight.shape[0]
-        self.quantization = mode = self._quantization(config, loaded.checkpoint_quantization)
-        if mode != "none":
+        self.vocab_size = self.model.get_output_embeddings().out_features
+        if mode in ("int8", "int4"):
             # The packing below takes plain `nn.Linear`s only: it leaves these alone.
             folder = Path(loaded.source)
             capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
@@ -214,21 +216,25 @@ class LLMEngine:
 
     def _quantization(self, config: EngineConfig, checkpoint: str) -> str:
         """The quantization mode this engine runs: the setting, or with 'auto' the one the
-        checkpoint ships in where the kernel can run it here (else none, with a warning)."""
+        checkpoint ships in ("gguf": a GGUF's own types) where the kernel can run it here
+        (else none, with a warning)."""
+        if config.quantization == "gguf" and checkpoint != "gguf":
+            raise ConfigError(
+                f"quantization 'gguf' serves a GGUF file's own quantized types, and model "
+                f"'{config.model}' is not such a file"
+            )
         if config.quantization != "auto":
             return config.quantization
         if checkpoint != "none":
             reason = capabilities.quantization_unavailable(self.device, self.dtype, checkpoint)
             if reason is not None:
                 logger.warning(
-                    "the checkpoint's linears are %s, but the %s kernel cannot run here (%s): "
-                    "serving them unquantized in %s",
-                    checkpoint, checkpoint, reason, self.dtype,
+                    "the checkpoint's tensors are quantized, but the kernel cannot run here "
+                    "(%s): serving them dequantized to %s",
+                    reason, self.dtype,
                 )  # fmt: skip
                 return "none"
-            logger.info(
-                "quantization %s: the checkpoint's own type (quantization: auto)", checkpoint
-            )
+            logger.info("quantization gguf: the checkpoint's own types (quantization: auto)")
         return checkpoint
 
     def _compiles(self, config: EngineConfig) -> bool:
@@ -365,6 +371,7 @@ class LLMEngine:
             max_num_seqs=self.config.max_num_seqs,
             cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
             cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
+            cpu_reserved=self.mapped_bytes,
         )
         del runner  # and with it the scratch cache and any graphs captured over it
         if self.device.type == "cuda":

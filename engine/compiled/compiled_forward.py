@@ -15,13 +15,15 @@ The wrapper that calls the fused loops and the ops in turn is C++ as well (Induc
 
 One graph serves every step, prefill and decode alike: its token, sequence and
 sampled-row counts are dynamic, so nothing is compiled per batch size and no step falls
-back to eager mode. Dynamic sizes are never 0 or 1 (Inductor would specialize those), so
-a step with fewer than two sampled rows gets one padding sequence: one token at position
-0 that writes no KV slot (slot -1) and reads one slot of block table row 0, whose first
-entry always names a block that exists, sampled once or twice; its logits are dropped.
-The cost: a batch-1 decode step computes two rows, and the K/V store drops the padding
-row by a mask in every layer. (Marking the sizes unbacked instead of padding compiled
-without specializing, but the step measured no faster, so the padding stays.)
+back to eager mode. The graph is traced size-obliviously
+(`torch.fx.experimental._config.backed_size_oblivious`), so Inductor does not specialize
+a size of 1 and a batch-1 decode step runs one row: padding it to two rows, as an earlier
+graph did, cost a 1B Q4_K_M model's step 34 -> 48 ms on a 2-core CPU, whose quantized
+linears are memory-bound at one row and not at two. A size of 0 is never traced: a step
+that samples no row (a prefill chunk that ends before its prompt) gets one padding
+sequence, one token at position 0 that writes no KV slot (slot -1) and reads one slot of
+block table row 0, whose first entry always names a block that exists, sampled once; its
+logits are dropped.
 
 Compiled once per machine, model and settings. The graph is compiled ahead of time
 (`torch.compile(...).aot_compile`, Dynamo's precompile) and saved to
@@ -46,7 +48,7 @@ Invariants:
   key stands for the model's code and modules, which never change after loading. Those
   guards are checked on the warm-up step alone, so a graph saved for other shapes fails
   there, and then dropped (they cost 0.55 ms of a 9 ms batch-1 step): every later step's
-  inputs are built the same way (`pad_step`'s int64 arrays, never a size of 0 or 1, and
+  inputs are built the same way (`pad_step`'s int64 arrays, never a size of 0, and
   this engine's own KV cache and block tables), which is what the guards would check.
 """
 
@@ -62,6 +64,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.fx.experimental._config
 import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 from transformers import PreTrainedModel
@@ -98,12 +101,10 @@ def inductor_cache_dir() -> str:
 
 
 def pad_step(step: StepInputs) -> StepInputs:
-    """`step` itself if it samples at least two rows, else with one padding sequence
-    appended (see the module's docstring) whose token is sampled until two rows are: its
-    logits rows come last. (A prefill chunk that ends before its prompt does samples none.)
-    """
-    missing = 2 - len(step.logits_index)
-    if missing <= 0:
+    """`step` itself if it samples a row, else with one padding sequence appended (see the
+    module's docstring) whose token is sampled once: its logits row comes last. (A prefill
+    chunk that ends before its prompt samples none.)"""
+    if len(step.logits_index) > 0:
         return step
     token = len(step.input_ids)
     input_id, position, slot, context, row = PADDING_ROW
@@ -114,7 +115,7 @@ def pad_step(step: StepInputs) -> StepInputs:
         rows=np.append(step.rows, row),
         query_start=np.append(step.query_start, token + 1),
         context_lens=np.append(step.context_lens, context),
-        logits_index=np.append(step.logits_index, [token] * missing),
+        logits_index=np.append(step.logits_index, token),
         width=step.width,
         num_prompt_rows=step.num_prompt_rows,
     )
@@ -208,8 +209,13 @@ class CompiledForward:
             },
         )
         # Floats (norm epsilons, scales) as constants: tensorifying them would make
-        # Dynamo restart its analysis, which a compile ahead of time cannot.
-        with torch._dynamo.config.patch(specialize_float=True), torch.inference_mode():
+        # Dynamo restart its analysis, which a compile ahead of time cannot. Sizes of 1 as
+        # any other (see the docstring).
+        with (
+            torch._dynamo.config.patch(specialize_float=True),
+            torch.fx.experimental._config.patch(backed_size_oblivious=True),
+            torch.inference_mode(),
+        ):
             compiled = compiler.aot_compile((self._padding_inputs(), {}))
         compiled.save_compiled_function(str(folder / GRAPH_FILE))
         return compiled

@@ -55,19 +55,28 @@ from engine.model.kernels import group_linear
 # Bits of the decoder's linears per mode; the LM head takes HEAD_BITS in every mode.
 MODES = {"int8": 8, "int4": 4}
 HEAD_BITS = 8
-# Largest row count that runs the kernel where it is the scalar twin (no AVX512-VNNI), by
-# the model's dtype: not measured for the twin (the fp32 thresholds of an earlier kernel that
-# computed in fp32, on a 2-core AVX2 CPU); with VNNI the kernel runs at every row count.
+SCHEME_NAMES = {
+    group_linear.AFFINE: "affine",
+    group_linear.SUPER_MIN: "super-min",
+    group_linear.SUPER_SIGNED: "super-signed",
+}
+# Largest row count that runs the kernel where it is the scalar twin (neither AVX512-VNNI nor
+# AVX2), by the model's dtype: not measured for the twin (the fp32 thresholds of an earlier
+# kernel that computed in fp32, on a 2-core AVX2 CPU); with VNNI or AVX2 the kernel runs at
+# every row count.
 KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 8}
+VECTOR_INSTRUCTIONS = ("avx512-vnni", "avx2")
 
 
 def max_kernel_rows(dtype: torch.dtype) -> int | None:
     """The largest row count that runs the quantized kernel in a model of `dtype`; None:
     every row count. With AVX512-VNNI the kernel beat oneDNN's packed linear at every row
     count measured, 1 to 96 (`python -m bench.linear_kernels`; README, "Quantization"), and
-    on 512-row prefill windows. Without, `KERNEL_ROWS`, except where the dtype has no fast
-    dense path (bf16 that oneDNN cannot pack runs `F.linear`). Needs the kernel built."""
-    if group_linear.EXTENSION.load().instruction_set == "avx512-vnni":
+    on 512-row prefill windows; with AVX2 it runs every row count too, so that a GGUF's
+    weights are held once, in their own bits. Without either, `KERNEL_ROWS`, except where
+    the dtype has no fast dense path (bf16 that oneDNN cannot pack runs `F.linear`). Needs
+    the kernel built."""
+    if group_linear.EXTENSION.load().instruction_set in VECTOR_INSTRUCTIONS:
         return None
     if dtype == torch.bfloat16 and not can_pack(torch.device("cpu"), dtype):
         return None
@@ -75,9 +84,10 @@ def max_kernel_rows(dtype: torch.dtype) -> int | None:
 
 
 def unavailable_reason(device: torch.device, dtype: torch.dtype, mode: str) -> str | None:
-    """Why `mode` cannot run on `device` in `dtype`, or None if it can: it needs the CPU,
-    fp32 or bf16, the C++ kernel and, for fp32, oneDNN for the dense path."""
-    if mode not in MODES:
+    """Why `mode` ("gguf", a GGUF's own types, or one of `MODES`) cannot run on `device` in
+    `dtype`, or None if it can: it needs the CPU, fp32 or bf16, the C++ kernel and, for
+    fp32, oneDNN for the dense path."""
+    if mode not in (*MODES, "gguf"):
         return f"unknown mode {mode!r}"
     if device.type != "cpu":
         return "it runs on the CPU only"
@@ -90,40 +100,41 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype, mode: str) -> s
 
 
 class QuantizedLinear(OpaqueLinear):
-    """`y = x Wq^T + b` for the group-quantized weight Wq of an `nn.Linear`; inference only.
+    """`y = x Wq^T + b` for a group-quantized weight Wq; inference only.
 
-    Invariants: `weight` is `group_linear.pack(*group_linear.quantize(W, bits), bits)` of
-    the original weight W (the checkpoint's, in fp32, where `quantized_store` read it);
+    Invariants: `weight` is Wq packed (`group_linear.PackedWeight`: codes quantized from a
+    checkpoint's weight by `group_linear.quantize`, or a GGUF's blocks as they are);
     `kernel_rows` is None (the kernel runs at every row count and `dense` is None) or a
-    positive row count, and then `dense` is a `PackedLinear` over the dequantized Wq in
-    W's dtype; a forward of at most `kernel_rows` rows runs `kernel`, a
-    larger one `dense`.
+    positive row count, and then `dense` is a `PackedLinear` over Wq unpacked to `dtype`; a
+    forward of at most `kernel_rows` rows runs `kernel`, a larger one `dense`.
     """
 
     def __init__(
-        self, linear: nn.Linear, weight: group_linear.PackedWeight, kernel_rows: int | None
+        self,
+        weight: group_linear.PackedWeight,
+        bias: nn.Parameter | None,
+        kernel_rows: int | None,
+        dtype: torch.dtype,
     ) -> None:
         super().__init__()
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
-        self.bits = bits = weight.bits
+        self.in_features = weight.in_features
+        self.out_features = weight.out_features
+        self.bits = weight.bits
         self.kernel_rows = kernel_rows
-        self.bias = linear.bias
+        self.bias = bias
         self.weight = weight
         self.dense = None
         if kernel_rows is not None:
-            original = linear.weight.detach()
-            codes, scales, offsets = group_linear.quantize(original, bits)
             plain = nn.Linear(self.in_features, self.out_features, bias=False, device="meta")
-            dequantized = group_linear.dequantize(codes, scales, offsets).to(original.dtype)
-            plain.weight = nn.Parameter(dequantized, requires_grad=False)
-            plain.bias = linear.bias
+            unpacked = group_linear.unpack(weight).to(dtype)
+            plain.weight = nn.Parameter(unpacked, requires_grad=False)
+            plain.bias = bias
             self.dense = PackedLinear(plain)
         extension = _load_op()
         extension.register_layer(
-            self.handle, self.weight.codes, self.weight.scales, self.weight.offsets, bits,
-            self.in_features, self.out_features, -1 if kernel_rows is None else kernel_rows,
-            self.bias,
+            self.handle, weight.codes, weight.scales, weight.offsets, weight.sub, weight.bits,
+            weight.scheme, self.in_features, self.out_features,
+            -1 if kernel_rows is None else kernel_rows, self.bias,
         )  # fmt: skip
         weakref.finalize(self, extension.unregister_layer, self.handle)
 
@@ -131,7 +142,7 @@ class QuantizedLinear(OpaqueLinear):
     def quantizing(cls, linear: nn.Linear, bits: int, kernel_rows: int | None) -> QuantizedLinear:
         """The layer for `linear`'s own weight quantized to `bits`."""
         weight = group_linear.pack(*group_linear.quantize(linear.weight.detach(), bits), bits)
-        return cls(linear, weight, kernel_rows)
+        return cls(weight, linear.bias, kernel_rows, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`pagedserve::quantized_linear`, the C++ op, in eager steps and compiled graphs."""
@@ -152,7 +163,8 @@ class QuantizedLinear(OpaqueLinear):
         rows = "all" if self.kernel_rows is None else f"<={self.kernel_rows}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"{self.bits}-bit groups of {group_linear.GROUP}, kernel rows {rows}"
+            f"{self.bits}-bit codes in groups of {group_linear.GROUP} "
+            f"({SCHEME_NAMES[self.weight.scheme]}), kernel rows {rows}"
         )
 
 
@@ -213,6 +225,7 @@ def quantize_linear_layers(
     def quantized(linear: nn.Linear) -> nn.Module:
         if id(linear) not in names:
             return linear
-        return QuantizedLinear(linear, weights[names[id(linear)]], kernel_rows)
+        weight = weights[names[id(linear)]]
+        return QuantizedLinear(weight, linear.bias, kernel_rows, linear.weight.dtype)
 
     return replace_linear_layers(model, quantized)

@@ -33,7 +33,7 @@ from engine.model.kernels import group_linear
 from engine.model.kernels.group_linear import PackedWeight
 
 WEIGHTS_FILE = "weights.safetensors"
-FORMAT = "pagedserve-quantized-1"
+FORMAT = "pagedserve-quantized-2"
 
 
 def packed_weights(
@@ -90,7 +90,7 @@ def _save(packed: dict[str, PackedWeight], staging: Path) -> None:
     for name, weight in packed.items():
         tensors |= {f"{name}.codes": weight.codes, f"{name}.scales": weight.scales}
         tensors[f"{name}.offsets"] = weight.offsets
-        shapes[name] = [weight.bits, weight.out_features]
+        shapes[name] = [weight.bits, weight.out_features]  # affine: no small scales
     save_file(tensors, staging / WEIGHTS_FILE, metadata={"layers": json.dumps(shapes)})
 
 

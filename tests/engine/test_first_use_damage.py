@@ -5,7 +5,6 @@ safetensors or the dynamic loader."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -16,89 +15,40 @@ import time
 from pathlib import Path
 
 import httpx
-import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
 
 from bench.tables import free_port
+from engine import LLM
+from engine.config import cache_root
 from engine.first_use import build_once
 from engine.first_use_manifest import MANIFEST
-from engine.linears import quantized_store
-from engine.model.loader import SOURCE_FILE, convert_gguf, load_model
-from tests.tiny_models import build_tokenizer
+from engine.linears import gguf_store, quantized_store
+from engine.linears.quantized_linear import QuantizedLinear
+from engine.model.kernels import group_linear
+from engine.model.loader import load_model
+from tests.gguf_files import write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A tiny random-weight Llama GGUF (F32 tensors) with the tiny byte-level BPE tokenizer:
-    it converts in well under a second."""
-    tokenizer = build_tokenizer(path.parent / f"{path.stem}-tokenizer")
-    data = json.loads((path.parent / f"{path.stem}-tokenizer" / "tokenizer.json").read_text())
-    vocab = data["model"]["vocab"] | {
-        added["content"]: added["id"] for added in data["added_tokens"]
-    }
-    tokens = sorted(vocab, key=vocab.__getitem__)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
-    specials = {added["id"] for added in data["added_tokens"]}
-    hidden, intermediate, layers, heads, kv_heads = 64, 128, 2, 2, 1
-    head_dim = hidden // heads
-    writer = GGUFWriter(str(path), "llama")
-    writer.add_context_length(512)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(intermediate)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(len(tokens))
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types([3 if i in specials else 1 for i in range(len(tokens))])
-    writer.add_token_merges(merges)
-    writer.add_bos_token_id(tokenizer.pad_token_id)
-    writer.add_eos_token_id(tokenizer.eos_token_id)
-    writer.add_pad_token_id(tokenizer.pad_token_id)
-    writer.add_chat_template(tokenizer.chat_template)
-    rng = np.random.default_rng(seed)
-
-    def random(name: str, *shape: int) -> None:
-        writer.add_tensor(name, (rng.standard_normal(shape) * 0.05).astype(np.float32))
-
-    random("token_embd.weight", len(tokens), hidden)
-    for i in range(layers):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(hidden, np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(hidden, np.float32))
-        random(f"blk.{i}.attn_q.weight", hidden, hidden)
-        random(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
-        random(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
-        random(f"blk.{i}.attn_output.weight", hidden, hidden)
-        random(f"blk.{i}.ffn_gate.weight", intermediate, hidden)
-        random(f"blk.{i}.ffn_up.weight", intermediate, hidden)
-        random(f"blk.{i}.ffn_down.weight", hidden, intermediate)
-    writer.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    random("output.weight", len(tokens), hidden)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
 @pytest.fixture
 def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A cache of its own, but the C++ kernels the suite has built (or builds) once: a
+    first build takes a minute or more on a busy 2-core machine."""
     root = tmp_path / "cache"
+    kernels = cache_root() / "kernels"
+    kernels.mkdir(parents=True, exist_ok=True)
+    root.mkdir()
+    (root / "kernels").symlink_to(kernels, target_is_directory=True)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(root))
     return root
 
 
 @pytest.fixture
 def gguf(tmp_path: Path) -> Path:
-    return write_tiny_gguf(tmp_path / "tiny.gguf")
+    return write_gguf(tmp_path / "tiny.gguf", "Q4_K")
 
 
 def truncate(path: Path) -> tuple[int, int]:
@@ -108,25 +58,42 @@ def truncate(path: Path) -> tuple[int, int]:
     return size // 2, size
 
 
-def weights(folder: Path) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in load_model(str(folder), dtype=torch.float32, device=CPU)
-            .model.state_dict().items()}  # fmt: skip
+def served(gguf: Path) -> LLM:
+    """The engine over the GGUF, its weights converted (or mapped) into the cache."""
+    return LLM(
+        str(gguf), dtype="float32", kv_cache_memory="4MiB", max_model_len=256, enforce_eager=True
+    )
 
 
-# Converts the GGUF in argv[1], but stalls (for the test to kill it) once the weights and
-# tokenizer are written and before the marker is: the conversion's last step.
+def weights(llm: LLM) -> dict[str, torch.Tensor]:
+    """Every layer's weight as the kernel holds it, unpacked, and the other parameters."""
+    model = llm.engine.model
+    unpacked = {name: group_linear.unpack(m.weight) for name, m in model.named_modules()
+                if isinstance(m, QuantizedLinear)}  # fmt: skip
+    return unpacked | {name: p.clone() for name, p in model.named_parameters()}
+
+
+def converted(cache: Path) -> Path:
+    [folder] = [path for path in (cache / "quantized").iterdir() if path.is_dir()]
+    return folder
+
+
+# Converts the GGUF in argv[1], but stalls (for the test to kill it) once the weights are
+# written and before the marker is: the conversion's last step.
 _KILLED_CONVERSION = textwrap.dedent(
     """
     import sys, time
     from pathlib import Path
-    from engine.model import loader
+    from engine.linears import gguf_store
+    from engine import LLM
 
-    def stall(gguf):
+    def stall(self, *exc):
+        close(self, *exc)
         Path(sys.argv[2]).touch()
         time.sleep(600)
 
-    loader.gguf_linear_type = stall
-    loader.convert_gguf(Path(sys.argv[1]))
+    close, gguf_store.TensorFile.__exit__ = gguf_store.TensorFile.__exit__, stall
+    LLM(sys.argv[1], dtype="float32", kv_cache_memory="4MiB", enforce_eager=True)
     """
 )
 
@@ -145,10 +112,11 @@ def killed_conversion(gguf: Path, cache: Path, tmp_path: Path) -> Path:
     finally:
         process.send_signal(signal.SIGKILL)
         process.wait()
-    converted = cache / "converted"
-    [staging] = [path for path in converted.iterdir() if ".partial-" in path.name]
-    assert (staging / "model.safetensors").is_file() and not (staging / SOURCE_FILE).exists()
-    assert not [path for path in converted.iterdir() if path.is_dir() and path != staging]
+    folder = cache / "quantized"
+    [staging] = [path for path in folder.iterdir() if ".partial-" in path.name]
+    assert (staging / gguf_store.WEIGHTS_FILE).is_file()
+    assert not (staging / gguf_store.SOURCE_FILE).exists()
+    assert not [path for path in folder.iterdir() if path.is_dir() and path != staging]
     return staging
 
 
@@ -157,55 +125,54 @@ def test_a_conversion_killed_mid_way_is_redone_at_the_next_start(
 ) -> None:
     staging = killed_conversion(gguf, cache, tmp_path)
     with caplog.at_level(logging.INFO, logger="engine.first_use"):
-        loaded = load_model(str(gguf), dtype=torch.float32, device=CPU)
+        llm = served(gguf)
     assert f"removing {staging}, left by a build that was interrupted" in caplog.text
-    assert "converting tiny.gguf once into" in caplog.text
+    assert "converting tiny.gguf's tensors for the kernels once into" in caplog.text
     assert not staging.exists()
-    folder = Path(loaded.source)
-    assert (folder / SOURCE_FILE).is_file() and (folder / MANIFEST).is_file()
-    assert loaded.tokenizer("hello world").input_ids
+    folder = converted(cache)
+    assert (folder / gguf_store.SOURCE_FILE).is_file() and (folder / MANIFEST).is_file()
+    assert llm.engine.quantization == "gguf"
 
 
 def test_a_converted_folder_without_its_marker_is_converted_again(
     gguf: Path, cache: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """The killed conversion's half folder in the target's place (a copy of it, or an
-    older pagedserve that renamed before the marker was written)."""
+    """The killed conversion's half folder in the target's place (a copy of it)."""
     staging = killed_conversion(gguf, cache, tmp_path)
     target = staging.with_name(staging.name.removeprefix(".").split(".partial-")[0])
     staging.rename(target)
     with caplog.at_level(logging.INFO, logger="engine.first_use"):
-        assert convert_gguf(gguf) == target
+        served(gguf)
     assert (
         f"{target} is incomplete or out of date (a build that was interrupted, or an older "
         "one): making it again" in caplog.text
     )
-    assert (target / SOURCE_FILE).is_file()
-    assert load_model(str(gguf), dtype=torch.float32, device=CPU).name == "tiny"
+    assert (target / gguf_store.SOURCE_FILE).is_file()
 
 
 @pytest.mark.parametrize("manifest", [True, False], ids=["manifest", "made-before-manifests"])
 def test_a_truncated_converted_model_is_converted_again(
     gguf: Path, cache: Path, manifest: bool, caplog: pytest.LogCaptureFixture
 ) -> None:
-    folder = convert_gguf(gguf)
-    before = weights(folder)
+    """The converted file is memory-mapped: a truncated one would kill the process with
+    SIGBUS where a layer reads past its end, so it is found and made again first."""
+    before = weights(served(gguf))
+    folder = converted(cache)
     if not manifest:  # a folder converted before manifests: its safetensors header tells
         (folder / MANIFEST).unlink()
-    cut, size = truncate(folder / "model.safetensors")
+    cut, size = truncate(folder / gguf_store.WEIGHTS_FILE)
     with caplog.at_level(logging.INFO, logger="engine.first_use"):
-        loaded = load_model(str(gguf), dtype=torch.float32, device=CPU)
+        after = weights(served(gguf))
     reason = f"was {size} when it was made" if manifest else f"its header describes {size} bytes"
-    damaged = f"{folder} is damaged: model.safetensors is {cut} bytes, but {reason}"
+    damaged = f"{folder} is damaged: weights.safetensors is {cut} bytes, but {reason}"
     assert f"{damaged}: making it again" in caplog.text
-    assert "converting tiny.gguf once into" in caplog.text
-    after = loaded.model.state_dict()
+    assert "converting tiny.gguf's tensors for the kernels once into" in caplog.text
     assert before.keys() == after.keys()
     assert all(torch.equal(before[k], after[k]) for k in before)
-    # Whole again: the next load converts nothing.
+    # Whole again: the next start converts nothing.
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.first_use"):
-        load_model(str(gguf), dtype=torch.float32, device=CPU)
+        served(gguf)
     assert not caplog.text
 
 
@@ -214,14 +181,14 @@ def test_a_server_starts_on_a_cache_whose_model_was_truncated(
 ) -> None:
     """`pagedserve serve --model x.gguf` over a truncated converted model: it says why it
     converts again, then serves."""
-    folder = convert_gguf(gguf)
-    cut, size = truncate(folder / "model.safetensors")
+    served(gguf)
+    folder = converted(cache)
+    cut, size = truncate(folder / gguf_store.WEIGHTS_FILE)
     port = free_port()
     command = [
         *(sys.executable, "-m", "pagedserve", "serve", "--model", str(gguf), "--dtype", "float32"),
         *("--device", "cpu", "--kv-cache-memory", "16MiB", "--port", str(port)),
-        # Torch attention: the C++ kernel would be built into this empty cache first.
-        *("--attention-backend", "torch"),
+        "--enforce-eager",
     ]
     log = tmp_path / "serve.log"
     env = os.environ | {"PAGEDSERVE_CACHE": str(cache)}
@@ -246,8 +213,8 @@ def test_a_server_starts_on_a_cache_whose_model_was_truncated(
         process.wait(timeout=60)
     text = log.read_text()
     assert (
-        f"{folder} is damaged: model.safetensors is {cut} bytes, but was {size} when it was "
-        "made: making it again" in text
+        f"{folder} is damaged: weights.safetensors is {cut} bytes, but was {size} when it "
+        "was made: making it again" in text
     ), text[-3000:]
 
 

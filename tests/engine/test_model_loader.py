@@ -11,7 +11,8 @@ import torch
 
 from engine.errors import ModelLoadError
 from engine.model.device import cpu_has_fast_bf16, resolve_dtype
-from engine.model.loader import convert_gguf, load_model
+from engine.model.gguf import metadata_folder
+from engine.model.loader import load_model
 
 
 def test_local_folder_loads_with_eos_ids(tiny_model_paths: dict[str, Path]):
@@ -39,14 +40,16 @@ def test_unreachable_hub_id_says_what_to_do(monkeypatch: pytest.MonkeyPatch):
         load_model("someone/no-such-model", dtype=torch.float32, device=torch.device("cpu"))
 
 
-def test_interrupted_conversion_leaves_no_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+def test_a_file_that_is_not_a_gguf_is_a_clear_error_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     gguf = tmp_path / "broken.gguf"
     gguf.write_bytes(b"not a gguf")
-    with pytest.raises(Exception):  # noqa: B017 - whatever the GGUF reader raises
-        convert_gguf(gguf)
-    # Only the lock file stays (no longer locked): no model and no staging folder.
-    [lock] = (tmp_path / "converted").iterdir()
+    with pytest.raises(ModelLoadError, match=r"broken\.gguf is not a readable GGUF file"):
+        metadata_folder(gguf)
+    # Only the lock file stays (no longer locked): no folder and no staging folder.
+    [lock] = (tmp_path / "gguf").iterdir()
     assert lock.name.endswith(".lock") and lock.is_file()
 
 

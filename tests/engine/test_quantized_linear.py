@@ -4,16 +4,18 @@ and the engine serves both modes."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
-from safetensors import safe_open
+from gguf import GGUFReader
+from gguf.quants import dequantize
 from torch import nn
 
 from engine import LLM, SamplingParams
 from engine.config import ConfigError, EngineConfig, load_config
+from engine.linears.ggml_blocks import to_packed
 from engine.linears.packed_linear import can_pack
 from engine.linears.quantized_linear import (
     HEAD_BITS,
@@ -28,6 +30,7 @@ from engine.model import loader
 from engine.model.kernels import group_linear
 from pagedserve.cli import build_parser
 from server.config import resolve_serve_config
+from tests.gguf_files import KERNEL_TYPES, random_blocks
 
 CPU = torch.device("cpu")
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if unavailable_reason(CPU, d, "int8") is None]
@@ -156,11 +159,11 @@ def test_linears_whose_inputs_are_not_whole_groups_stay_as_they_are():
     assert model(torch.randn(3, 64)).shape == (3, 7)
 
 
-def test_the_kernel_takes_every_row_count_with_vnni_else_a_dense_copy_is_kept():
-    vnni = group_linear.EXTENSION.load().instruction_set == "avx512-vnni"
+def test_the_kernel_takes_every_row_count_with_vnni_or_avx2_else_a_dense_copy_is_kept():
+    vector = group_linear.EXTENSION.load().instruction_set in ("avx512-vnni", "avx2")
     for dtype in DTYPES:
         rows = max_kernel_rows(dtype)
-        dense_path = not vnni and (dtype == torch.float32 or can_pack(CPU, dtype))
+        dense_path = not vector and (dtype == torch.float32 or can_pack(CPU, dtype))
         assert rows == (KERNEL_ROWS[dtype] if dense_path else None)
         layer = QuantizedLinear.quantizing(random_linear(128, 64, dtype), 8, rows)
         assert (layer.dense is None) == (rows is None)
@@ -234,7 +237,7 @@ def test_int4_computes_the_default_models_own_q4_1_weights(default_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ["gguf", *MODES])
 def test_the_quantized_default_model_still_knows_its_capitals(mode: str):
     llm = LLM("default", quantization=mode, kv_cache_memory="32MiB", max_model_len=256)
     params = SamplingParams(temperature=0, max_tokens=8)
@@ -246,7 +249,9 @@ def test_the_quantized_default_model_still_knows_its_capitals(mode: str):
 @pytest.mark.slow
 def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
     """The kernel's scalar twin (built with PAGEDSERVE_SCALAR_TWIN), which CPUs without
-    AVX512-VNNI run, computes the same bits as the build this CPU runs."""
+    AVX2 run, computes the same bits as the build this CPU runs, in every format (the
+    affine ones per group of 32, GGUF's super-block ones per 256), at row counts that fill
+    and split every run of rows."""
     from torch.utils import cpp_extension
 
     twin = cpp_extension.load(
@@ -257,48 +262,41 @@ def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
         build_directory=str(tmp_path),
     )
     assert twin.instruction_set == "scalar"
+    rng = np.random.default_rng(0)
     torch.manual_seed(0)
-    for bits in group_linear.BITS:
-        weight = torch.randn(50, 192)
-        packed = group_linear.pack(*group_linear.quantize(weight, bits), bits)
+    for ggml_type in KERNEL_TYPES:
+        packed = to_packed(ggml_type, random_blocks(ggml_type, 50, 512, rng))
         bias = torch.randn(50)
         for dtype in DTYPES:
-            x = torch.randn(6, 192).to(dtype)
-            args = (packed.codes, packed.scales, packed.offsets, bits, 50, bias)
-            expected = group_linear.group_linear(x, packed, bias)
-            assert torch.equal(twin.group_linear(x, *args), expected)
-
-
-@pytest.mark.parametrize(
-    ("linear_type", "mode"),
-    [("Q4_1", "int4"), ("Q4_K", "int4"), ("IQ4_XS", "int4"), ("Q2_K", "int4"),
-     ("Q5_0", "int8"), ("Q6_K", "int8"), ("Q8_0", "int8"), ("F16", "none"), ("BF16", "none")],
-)  # fmt: skip
-def test_auto_serves_a_gguf_in_its_own_bits(tmp_path: Path, linear_type: str, mode: str):
-    source = {"gguf": "m.gguf", "linear_type": linear_type}
-    (tmp_path / loader.SOURCE_FILE).write_text(json.dumps(source))
-    assert loader.checkpoint_quantization(tmp_path) == mode
+            for rows in (1, 2, 3, 5, 9, 17):
+                x = torch.randn(rows, 512).to(dtype)
+                args = (packed.codes, packed.scales, packed.offsets, packed.sub, packed.bits)
+                got = twin.group_linear(x, *args, packed.scheme, 50, bias)
+                assert torch.equal(got, group_linear.group_linear(x, packed, bias)), ggml_type
 
 
 def test_auto_leaves_an_unquantized_checkpoint_unquantized(tiny_model_paths: dict[str, Path]):
-    assert loader.checkpoint_quantization(tiny_model_paths["llama"]) == "none"
+    assert loader.checkpoint_quantization(str(tiny_model_paths["llama"])) == "none"
     llm = LLM(str(tiny_model_paths["llama"]), kv_cache_memory="4MiB")
     assert llm.engine.config.quantization == "auto" and llm.engine.quantization == "none"
     assert not any(isinstance(m, QuantizedLinear) for m in llm.engine.model.modules())
 
 
 @pytest.mark.slow
-def test_the_default_model_is_served_from_its_own_4_bit_weights():
-    folder = Path(loader.resolve_model_folder("default")[0])
-    assert loader.checkpoint_quantization(folder) == "int4"
+def test_the_default_model_is_served_from_its_own_q4_1_and_q8_0_blocks():
+    """quantization auto serves the default GGUF in its own types: its Q4_1 linears and its
+    Q8_0 embedding, which is also the LM head, exactly as the file stores them."""
+    assert loader.checkpoint_quantization("default") == "gguf"
     llm = LLM("default", kv_cache_memory="32MiB", max_model_len=256)
-    assert llm.engine.quantization == "int4"
-    layer = llm.engine.model.model.layers[0].self_attn.q_proj
+    assert llm.engine.quantization == "gguf"
+    model = llm.engine.model
+    layer = model.model.layers[0].self_attn.v_proj
     assert isinstance(layer, QuantizedLinear) and layer.bits == 4
-    # The GGUF's own Q4_1 weights, whatever dtype the model is served in: the codes are
-    # those of the file's fp32 dequantization.
-    with safe_open(folder / "model.safetensors", framework="pt") as file:
-        original = file.get_tensor("model.layers.0.self_attn.q_proj.weight")
-    expected = group_linear.pack(*group_linear.quantize(original, 4), 4)
-    assert torch.equal(layer.weight.codes, expected.codes)
-    assert torch.equal(layer.weight.scales, expected.scales)
+    head = model.get_output_embeddings()
+    assert head.bits == 8 and model.get_input_embeddings().table is head
+    file = GGUFReader(loader.default_gguf_path())
+    stored = {t.name: t for t in file.tensors}
+    for name, weight in (("blk.0.attn_v.weight", layer.weight), ("token_embd.weight", head.weight)):
+        tensor = stored[name]
+        expected = dequantize(tensor.data, tensor.tensor_type)
+        assert torch.equal(group_linear.unpack(weight), torch.from_numpy(expected))

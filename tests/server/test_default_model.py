@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
-from engine.model.loader import DEFAULT_MODEL_GENERATION_CONFIG, default_model_folder
+from engine.model.loader import DEFAULT_MODEL_GENERATION_CONFIG, resolve_model_folder
 from server.config import ServeConfig
 from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
 # The README's first curl: no sampling field at all.
 README_BODY = {"model": "SmolLM2-135M-Instruct", "messages": QUESTION}
 
@@ -46,8 +47,9 @@ def test_capital_of_france_is_paris(default_server: str) -> None:
     assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
-def test_the_converted_model_ships_its_sampling_defaults(default_server: str) -> None:
-    written = json.loads((default_model_folder() / "generation_config.json").read_text())
+def test_the_default_model_ships_its_sampling_defaults(default_server: str) -> None:
+    folder = Path(resolve_model_folder("default")[0])
+    written = json.loads((folder / "generation_config.json").read_text())
     assert written.items() >= DEFAULT_MODEL_GENERATION_CONFIG.items()
     [model] = client(default_server).models.list().data
     assert model.model_extra["default_sampling_params"] == {

@@ -1,7 +1,7 @@
 """Two `pagedserve serve` started at once on an empty cache, with the shipped default
-config: the first start's work (converting the default model, building the C++ kernels
-it uses, quantizing its linears, compiling the forward) is done once, by one of them, and
-both serve compiled.
+config: the first start's work (reading the default model's GGUF, building the C++ kernels
+it uses, converting its tensors for them, compiling the forward) is done once, by one of
+them, and both serve compiled.
 
 Inductor's own cache (the C++ it generated and built, keyed by the graph) is the suite's:
 the KV cache has the size of the other default-model servers of the suite, so the compile
@@ -31,10 +31,10 @@ CONFIG = Path(__file__).resolve().parents[2] / "configs" / "default.yaml"
 # A first start converts the model and builds kernels; two at once share 2 cores here.
 START_TIMEOUT = 600
 ONCE = (
-    "converting SmolLM2-135M-Instruct.Q4_1.gguf once into",
+    "reading SmolLM2-135M-Instruct.Q4_1.gguf's config and tokenizer once into",
     "building the C++ paged_attention kernel once into",
     "building the C++ group_linear kernel once into",
-    "quantizing the model's linears to int4 once into",
+    "converting SmolLM2-135M-Instruct.Q4_1.gguf's tensors for the kernels once into",
     "compiling the forward once into",
 )
 
@@ -68,10 +68,11 @@ def test_two_servers_started_at_once_on_an_empty_cache_both_serve(tmp_path: Path
     for work in ONCE:
         assert text.count(work) == 1, (work, text[-5000:])
     assert text.count("compiled forward ready") == 2, text[-5000:]
-    # One converted model, and no staging folder left beside it.
-    converted = tmp_path / "cache" / "converted"
-    [model] = [path for path in converted.iterdir() if not path.name.endswith(".lock")]
-    assert model.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
+    # One metadata folder and one converted model, and no staging folder beside them.
+    for kind in ("gguf", "quantized"):
+        folder = tmp_path / "cache" / kind
+        [made] = [path for path in folder.iterdir() if not path.name.endswith(".lock")]
+        assert made.name.startswith("SmolLM2-135M-Instruct.Q4_1-")
 
 
 def wait_healthy(url: str, server: subprocess.Popen, log: Path) -> None:

@@ -1,16 +1,20 @@
-"""The C++ group-quantized linear kernel (`group_linear.cpp`) and its weight format.
+"""The C++ group-quantized linear kernel (`group_linear.cpp`) and its weight formats.
 
-A weight `W [N, K]` is stored as unsigned codes of `bits` (8 or 4) with a scale and an
-offset per group of `GROUP` inputs of a row: `W[n, k] = scales[n, g] * codes[n, k] +
-offsets[n, g]`, `g = k // GROUP`. With 4 bits this is llama.cpp's Q4_1. `quantize` makes
-the codes from a weight (each group's minimum and maximum are codes 0 and 2^bits - 1),
-`pack` lays them out for the kernel, `group_linear` runs it.
+A weight `W [N, K]` is stored as unsigned codes of `bits` (4, 5, 6 or 8) per group of
+`GROUP` inputs, in tiles of `TILE` outputs, under one of three schemes (the layouts in
+`group_formats.h`):
 
-Scales and offsets are fp16, as GGUF stores them (a scale below fp16's normal range,
-6.1e-5, keeps fewer significant bits; one beyond its range, 65504, is refused):
-re-quantizing a weight that was converted from a Q4_1 GGUF (the default model's linears)
-to 4 bits gives back its very codes, scales and offsets, so the quantized model computes
-the file's own weights.
+- `AFFINE`: an fp16 scale and offset per group, `W = scale * code + offset`: llama.cpp's
+  Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly, and pagedserve's own int4/int8 (`quantize`:
+  each group's minimum and maximum are codes 0 and 2^bits - 1; 4 bits is Q4_1).
+- `SUPER_MIN`: an fp16 `d` and `dmin` per `SUPER` inputs, a 6-bit scale and minimum per
+  group: `W = d * sc * code - dmin * m`: Q4_K (4 bits) and Q5_K (5 bits).
+- `SUPER_SIGNED`: an fp16 `d` per `SUPER` inputs and a signed 8-bit scale per 16:
+  `W = d * sc * (code - 32)`: Q6_K (6 bits).
+
+`pack` lays codes and scales out for the kernel, `group_linear` runs it, `unpack` reads
+rows back in fp32 exactly as GGML's own dequantization does. Scales and offsets are fp16,
+as GGUF stores them (a scale beyond fp16's range, 65504, is refused).
 """
 
 from __future__ import annotations
@@ -23,21 +27,36 @@ import torch
 from engine.model.kernels.cpp_extension import CppExtension
 
 EXTENSION = CppExtension("group_linear", Path(__file__).with_name("group_linear.cpp"))
-GROUP = 32  # inputs per scale group
+GROUP = 32  # inputs per code group
+SUPER = 256  # inputs per super-block's d
 TILE = 16  # outputs per tile of the packed layout
-BITS = (8, 4)
+BITS = (8, 4)  # pagedserve's own modes
+AFFINE, SUPER_MIN, SUPER_SIGNED = 0, 1, 2
+_EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A quantized `[out_features, in_features]` weight in the kernel's layout (see the
-    source): codes `uint8`, scales and offsets fp16 `[tiles, in_features // GROUP, TILE]`."""
+    """A quantized `[out_features, in_features]` weight in the kernel's layout: codes
+    `uint8 [tiles, K / GROUP, 64 * bits]`; `scales` (and `offsets`) fp16 `[tiles, rows, TILE]`
+    (rows: K / GROUP for AFFINE, K / SUPER otherwise; SUPER_SIGNED has no offsets); `sub`,
+    the small scales, `uint8` (empty for AFFINE)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
     offsets: torch.Tensor
     bits: int
     out_features: int
+    scheme: int = AFFINE
+    sub: torch.Tensor = _EMPTY
+
+    @property
+    def in_features(self) -> int:
+        return self.codes.shape[1] * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scales, self.offsets, self.sub))
 
 
 def supports(in_features: int) -> bool:
@@ -78,27 +97,59 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor)
 
 
 def pack(
-    codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor, bits: int
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    offsets: torch.Tensor | None,
+    bits: int,
+    scheme: int = AFFINE,
+    sub: torch.Tensor | None = None,
 ) -> PackedWeight:
-    """Lay `quantize`'s output out in tiles of `TILE` outputs (the last tile padded)."""
+    """Lay codes `[N, K]` (uint8, below 2^bits) and their scales out in tiles of `TILE`
+    outputs (the last tile padded): `scales` and `offsets` `[N, rows]` fp16 (rows as in
+    `PackedWeight`; `offsets` None for SUPER_SIGNED), `sub` `[N, K / GROUP, 2]` uint8 (the
+    6-bit scale and minimum of each group, SUPER_MIN) or `[N, K / 16]` int8 (SUPER_SIGNED)."""
     n, k = codes.shape
     tiles = -(-n // TILE)
     pad = tiles * TILE - n
 
     def padded(tensor: torch.Tensor) -> torch.Tensor:
-        return torch.cat([tensor, tensor.new_zeros(pad, tensor.shape[1])])
+        return torch.cat([tensor, tensor.new_zeros(pad, *tensor.shape[1:])]) if pad else tensor
 
-    codes, scales, offsets = padded(codes), padded(scales), padded(offsets)
-    if bits == 8:  # [tiles, K / 4, TILE, 4]
-        tiled = codes.reshape(tiles, TILE, k // 4, 4).permute(0, 2, 1, 3)
-    else:  # [tiles, K / 8, TILE, 4]: low nibbles inputs 8j..8j+3, high nibbles 8j+4..8j+7
-        halves = codes.reshape(tiles, TILE, k // 8, 2, 4)
-        tiled = (halves[:, :, :, 0] | (halves[:, :, :, 1] << 4)).permute(0, 2, 1, 3)
+    # [tiles, K / 32, 8 code vectors, 16 outputs, 4 inputs]
+    c = padded(codes).reshape(tiles, TILE, k // GROUP, 8, 4).permute(0, 2, 3, 1, 4)
+    if bits == 8:
+        parts = [c]
+    else:
+        parts = [(c[:, :, 0::2] & 0x0F) | ((c[:, :, 1::2] & 0x0F) << 4)]
+        if bits == 5:
+            plane = sum(((c[:, :, v] >> 4) & 1) << v for v in range(8))
+            parts.append(plane)
+        elif bits == 6:
+            for p in range(2):
+                parts.append(sum(((c[:, :, 4 * p + u] >> 4) & 3) << (2 * u) for u in range(4)))
+    tiled = torch.cat([part.reshape(tiles, k // GROUP, -1) for part in parts], dim=2)
 
     def by_tile(values: torch.Tensor) -> torch.Tensor:
-        return values.reshape(tiles, TILE, k // GROUP).permute(0, 2, 1).contiguous()
+        values = padded(values).reshape(tiles, TILE, -1)
+        return values.permute(0, 2, 1).contiguous()
 
-    return PackedWeight(tiled.contiguous(), by_tile(scales), by_tile(offsets), bits, n)
+    if scheme == SUPER_MIN:
+        assert sub is not None
+        small = padded(sub).reshape(tiles, TILE, k // GROUP, 2).permute(0, 2, 3, 1)
+    elif scheme == SUPER_SIGNED:
+        assert sub is not None
+        small = by_tile(sub.view(torch.uint8))
+    else:
+        small = _EMPTY
+    return PackedWeight(
+        tiled.to(torch.uint8).contiguous(),
+        by_tile(scales),
+        by_tile(offsets) if offsets is not None else torch.empty(0, dtype=torch.float16),
+        bits,
+        n,
+        scheme,
+        small.contiguous(),
+    )
 
 
 def group_linear(
@@ -109,6 +160,19 @@ def group_linear(
     int8 per group of `GROUP` (see the source's "Arithmetic"); a row's bits depend only on
     that row and the weight. Raises `KernelUnavailableError` if the kernel cannot be built
     here."""
-    return EXTENSION.load().group_linear(
-        x, weight.codes, weight.scales, weight.offsets, weight.bits, weight.out_features, bias
+    return EXTENSION.load().group_linear(x, *_arrays(weight), weight.out_features, bias)
+
+
+def unpack(weight: PackedWeight, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `rows` (default: all) of the weight in fp32 `[len(rows), K]`: for a GGUF's
+    blocks, GGML's own dequantization, bit for bit."""
+    if rows is None:
+        rows = torch.arange(weight.out_features)
+    return EXTENSION.load().dequantize(
+        *_arrays(weight), weight.in_features, weight.out_features, rows.long()
     )
+
+
+def _arrays(weight: PackedWeight) -> tuple:
+    """The arguments the extension takes for a weight, up to `n`."""
+    return (weight.codes, weight.scales, weight.offsets, weight.sub, weight.bits, weight.scheme)

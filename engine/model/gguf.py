@@ -1,0 +1,283 @@
+"""A GGUF file read in place: its architecture, config and tokenizer from the metadata, and
+its tensors under transformers' names, each read only when asked for.
+
+The metadata is read once per file (gguf's `GGUFReader`; parsing a 128,256-token
+vocabulary's fields and converting it into a tokenizer takes seconds) into a folder under
+`$PAGEDSERVE_CACHE/gguf` (`metadata_folder`): the config and tokenizer transformers' own
+GGUF mapping makes, plus what that mapping leaves out (Llama 3's rotary frequency factors,
+`rope_freqs.weight`, applied to the model's `inv_freq`; a linear rope scaling) and an
+index of the tensors (name, type, shape, offset). An architecture pagedserve does not
+serve (`ARCHITECTURES`) is refused there, naming it, before any weight is read. Later
+starts read that folder; `GgufFile` maps the file (a numpy memory map) and finds each
+tensor by the index.
+
+`GgufFile.tensors(model)` names each tensor by the transformers parameter it holds (gguf's
+tensor name map, as transformers' `get_gguf_hf_weights_map` uses it) and says how
+transformers' processor for the architecture lays it out: Llama's q and k rows are stored
+permuted for llama.cpp's rotary embedding, a row order that a quantized tensor's blocks can
+take as they are (`GgufTensor.rows`); other processors change values (Gemma's norms are
+stored plus one), which only the dequantized tensor can take (`GgufTensor.dense`). A tensor
+with no place in the model is refused by name, so a file is never served in part.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import xxhash
+from gguf import (
+    MODEL_ARCH_NAMES,
+    GGMLQuantizationType,
+    GGUFReader,
+    GGUFValueType,
+    get_tensor_name_map,
+)
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
+from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+from engine.config import cache_root
+from engine.errors import ModelLoadError, UnsupportedModelError
+from engine.first_use import build_once
+
+# GGUF architecture names (`general.architecture`) pagedserve serves, each exactly: its
+# transformers config and model compute what llama.cpp computes for it. Mistral's models
+# are "llama" files (transformers reads them as Mistral's by their `general.name`).
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# A tensor that holds no transformers parameter but is read here.
+ROPE_FREQS = "rope_freqs.weight"
+# Written last into a metadata folder: the file's architecture, tensor index and factors;
+# a folder of another `FORMAT` (an older pagedserve's) is made again.
+SOURCE_FILE = "pagedserve_gguf.json"
+FORMAT = "pagedserve-gguf-metadata-1"
+FLOAT_TYPES = ("F32", "F16", "BF16")
+
+
+def file_key(path: Path) -> str:
+    """The cache key of a GGUF file: its resolved path, size and modification time."""
+    stat = path.stat()
+    return xxhash.xxh64(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class GgufTensor:
+    """One tensor of the file under a transformers parameter's name.
+
+    `blocks` is the file's own data, memory-mapped: `[rows, bytes per row]` for a block
+    type, the values `[rows, columns]` (or `[columns]`) for F32, F16 and BF16. `rows` is the
+    order of the stored rows that gives transformers' layout (None: as stored);
+    `row_order_only` is false where the processor changes values, which only `dense`
+    applies.
+    """
+
+    name: str
+    ggml_type: str
+    shape: tuple[int, ...]
+    blocks: np.ndarray
+    rows: np.ndarray | None
+    row_order_only: bool
+    processor: TensorProcessor
+
+    def dense(self) -> torch.Tensor:
+        """The tensor in fp32, as transformers lays it out: GGML's dequantization."""
+        values = dequantize(self.blocks, GGMLQuantizationType[self.ggml_type]).reshape(self.shape)
+        values = self.processor.process(weights=values, name=self.name).weights
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+    def rows_dequantized(self, order: slice | np.ndarray) -> torch.Tensor:
+        """Stored rows `order` of a matrix whose processor only reorders rows, in fp32."""
+        values = dequantize(np.asarray(self.blocks[order]), GGMLQuantizationType[self.ggml_type])
+        return torch.from_numpy(np.array(values, dtype=np.float32))
+
+
+class GgufFile:
+    """A GGUF file, memory-mapped, its tensors found by its metadata folder's index (made
+    first if missing, see the module docstring)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        source = read_source(metadata_folder(path))
+        self.architecture: str = source["architecture"]
+        self.index: list[list] = source["tensors"]
+        self.mapped = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def blocks(self, entry: list) -> np.ndarray:
+        """An index entry's data: `[rows, bytes per row]` of blocks, or the values."""
+        _, ggml_type, shape, offset, size = entry
+        data = self.mapped[offset : offset + size]
+        if ggml_type in ("F32", "F16"):
+            return data.view(np.float32 if ggml_type == "F32" else np.float16).reshape(shape)
+        return data.reshape(shape[0] if len(shape) > 1 else 1, -1)
+
+    def tensors(self, model: PreTrainedModel) -> dict[str, GgufTensor]:
+        """Every tensor the model takes, by its parameter's name (see the module docstring).
+        Raises `UnsupportedModelError` naming a tensor that has no place in the model."""
+        processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(
+            config=model.config.to_dict()
+        )
+        names = _parameter_names(model, processor, self.architecture)
+        tensors = {}
+        for entry in self.index:
+            name, ggml_type, shape = entry[:3]
+            if name == ROPE_FREQS:
+                continue
+            if name not in names:
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor '{name}' has no place in transformers' "
+                    f"{model.config.model_type} model, so it would not be computed"
+                )
+            rows = _row_order(processor, name, tuple(shape))
+            tensors[names[name]] = GgufTensor(
+                name, ggml_type, tuple(shape), self.blocks(entry),
+                rows if rows is not False else None, rows is not False, processor,
+            )  # fmt: skip
+        return tensors
+
+    def drop_pages(self) -> None:
+        """Let go of the file's pages this process has touched (the kernel keeps them in
+        its page cache): a conversion that reads the file once does not hold it all."""
+        self.mapped._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+def _parameter_names(
+    model: PreTrainedModel, processor: TensorProcessor, architecture: str
+) -> dict[str, str]:
+    """GGUF tensor name -> the model's parameter name: gguf's name map, built once (as
+    `get_gguf_hf_weights_map` reads it, which builds it again for every submodule)."""
+    arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
+    name_map = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    names: dict[str, str] = {}
+    for hf_name in model.state_dict():
+        name = processor.preprocess_name(hf_name)
+        base, dot, suffix = name.rpartition(".")
+        gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else None
+        if gguf_name is None:
+            processor.perform_fallback_tensor_mapping(names, f"{dot}{suffix}", "", name)
+            continue
+        names[f"{gguf_name}.{suffix}"] = hf_name
+    return names
+
+
+def _row_order(processor: TensorProcessor, name: str, shape: tuple[int, ...]):
+    """The stored-row order of transformers' layout (None: as stored), or False where the
+    processor does more than reorder a matrix's rows."""
+    if len(shape) != 2:
+        return None
+    index = np.arange(shape[0], dtype=np.float64)[:, None]
+    moved = np.asarray(processor.process(weights=index, name=name).weights)
+    if moved.shape != index.shape or not np.array_equal(np.sort(moved[:, 0]), index[:, 0]):
+        return False
+    order = moved[:, 0].astype(np.int64)
+    return None if np.array_equal(order, index[:, 0]) else order
+
+
+def metadata_folder(path: Path) -> Path:
+    """The folder of `path`'s config, tokenizer, rotary factors and tensor index, made once
+    (see the module docstring): `AutoConfig` and `AutoTokenizer` load it."""
+    target = cache_root() / "gguf" / f"{path.stem}-{file_key(path)}"
+    build_once(
+        target,
+        lambda staging: _write_metadata(path, staging),
+        complete=_complete,
+        doing=f"reading {path.name}'s config and tokenizer",
+        expected="seconds",
+        done="read",
+        # Rewritten at every load of the default model (`ensure_generation_config`).
+        rewritten=("generation_config.json",),
+    )
+    return target
+
+
+def _complete(folder: Path) -> bool:
+    try:
+        return read_source(folder)["format"] == FORMAT
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _write_metadata(path: Path, staging: Path) -> None:
+    try:
+        reader = GGUFReader(path)
+    except Exception as exc:  # gguf raises many kinds for a damaged or foreign file
+        raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from None
+    architecture = _field(reader, path, "general.architecture")
+    if architecture not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture '{architecture}' is not one pagedserve serves "
+            f"({', '.join(ARCHITECTURES)})"
+        )
+    scaling = _field(reader, path, f"{architecture}.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise UnsupportedModelError(
+            f"{path.name}: rope scaling '{scaling}' is not read from GGUF metadata"
+        )
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if scaling == "linear":
+        factor = float(_field(reader, path, f"{architecture}.rope.scaling.factor"))
+        config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
+    if config.model_type == "mistral":  # llama.cpp attends in full: no window in the file
+        config.sliding_window = None
+    config.save_pretrained(staging)
+    AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
+    source = {
+        "format": FORMAT,
+        "gguf": path.name,
+        "architecture": architecture,
+        "types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "rope_freqs": _rope_freqs(reader),
+        "tensors": [_entry(tensor) for tensor in reader.tensors],
+    }
+    (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
+
+
+def _field(reader: GGUFReader, path: Path, key: str, default: object = None) -> object:
+    """A metadata value (a string, a number), or `default` if the file lacks it."""
+    field = reader.fields.get(key)
+    if field is None:
+        if default is None:
+            raise ModelLoadError(f"{path.name} lacks the GGUF metadata '{key}'")
+        return default
+    value = field.parts[field.data[0]]
+    if field.types and field.types[0] == GGUFValueType.STRING:
+        return bytes(value).decode()
+    return value.tolist()[0]
+
+
+def _entry(tensor) -> list:
+    """[name, type, shape (torch's order), offset, bytes] of a reader's tensor."""
+    shape = [int(d) for d in reversed(tensor.shape.tolist())]
+    per_block = GGML_QUANT_SIZES[tensor.tensor_type][0]
+    if shape[-1] % per_block:
+        raise ModelLoadError(f"tensor '{tensor.name}' is not a whole number of blocks")
+    return [
+        tensor.name,
+        tensor.tensor_type.name,
+        shape,
+        int(tensor.data_offset),
+        int(tensor.n_bytes),
+    ]
+
+
+def _rope_freqs(reader: GGUFReader) -> list[float] | None:
+    """Llama 3's rotary frequency factors, where the file holds them."""
+    for tensor in reader.tensors:
+        if tensor.name == ROPE_FREQS:
+            return [float(v) for v in dequantize(tensor.data, tensor.tensor_type)]
+    return None
+
+
+def read_source(folder: Path) -> dict:
+    """What `metadata_folder` recorded of the file (architecture, types, index, factors)."""
+    return json.loads((folder / SOURCE_FILE).read_text())
+
+
+def quantized(folder: Path) -> bool:
+    """Whether the GGUF whose metadata folder this is stores tensors in GGML block types."""
+    return any(name not in FLOAT_TYPES for name in read_source(folder)["types"])

@@ -1,0 +1,174 @@
+"""Tiny GGUF files written with `gguf`'s own writer, laid out as llama.cpp's converter lays
+them out: its metadata keys and tensor names, Llama's q and k rows permuted for its rotary
+embedding, norms in F32, and the linears (and the token embedding) in any GGML type.
+
+The quantized tensors hold random blocks: every byte random, the fp16 scales of each block
+set to a size that keeps the weights near those of a trained model (|w| up to about 0.1).
+Any block is a valid one, so a file exercises every bit of the type's format. The tokenizer
+is the tiny models' byte-level BPE (384 tokens, tests/tiny_models.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.constants import GGML_QUANT_SIZES
+
+from tests.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+
+# The types pagedserve's kernel computes as stored.
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+# Each type's d (its block scale): the byte offset of the fp16 and its size. Types with a
+# minimum get it at `MINIMUM` (offset, multiple of d) so that each block's weights centre
+# on zero, as a trained model's do: offsets of the same sign in every block made a random
+# model answer one token whatever it was given.
+SCALE = {
+    "Q4_0": (0, 0.01), "Q4_1": (0, 0.01), "Q5_0": (0, 0.005), "Q5_1": (0, 0.005),
+    "Q8_0": (0, 0.0006), "Q4_K": (0, 0.0003), "Q5_K": (0, 0.00015), "Q6_K": (208, 0.00002),
+    "Q3_K": (108, 0.0005), "Q2_K": (80, 0.002),
+}  # fmt: skip
+MINIMUM = {
+    "Q4_1": (2, -7.5),
+    "Q5_1": (2, -15.5),
+    "Q4_K": (2, 7.5),
+    "Q5_K": (2, 15.5),
+    "Q2_K": (82, 1.5),
+}
+
+
+def random_blocks(ggml_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:
+    """`[rows, bytes per row]` of random blocks of `ggml_type` (or F32/F16 values)."""
+    if ggml_type in ("F32", "F16"):
+        dtype = np.float32 if ggml_type == "F32" else np.float16
+        return (rng.standard_normal((rows, columns)) * 0.05).astype(dtype)
+    per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    blocks = rng.integers(0, 256, (rows, columns // per_block, block_bytes), dtype=np.uint8)
+    offset, size = SCALE[ggml_type]
+    d = (size * (0.5 + rng.random((rows, columns // per_block)))).astype(np.float16)
+    blocks[..., offset : offset + 2] = d[..., None].view(np.uint8)
+    if ggml_type in MINIMUM:
+        at, factor = MINIMUM[ggml_type]
+        minimum = (d.astype(np.float32) * factor).astype(np.float16)
+        blocks[..., at : at + 2] = minimum[..., None].view(np.uint8)
+    if ggml_type in ("Q4_K", "Q5_K"):  # each sub-block's 6-bit minimum = its scale
+        blocks[..., 8:12] = blocks[..., 4:8]
+        low = blocks[..., 12:16] & 0x0F
+        blocks[..., 12:16] = low | (low << 4)
+    if ggml_type == "Q2_K":  # each sub-block's 4-bit minimum = its scale
+        low = blocks[..., :16] & 0x0F
+        blocks[..., :16] = low | (low << 4)
+    return blocks.reshape(rows, -1)
+
+
+def write_gguf(
+    path: Path,
+    ggml_type: str = "Q4_K",
+    *,
+    architecture: str = "llama",
+    hidden: int = 256,
+    intermediate: int = 512,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    tied: bool = False,
+    types: dict[str, str] | None = None,
+    extra_tensors: dict[str, np.ndarray] | None = None,
+    seed: int = 0,
+) -> Path:
+    """A tiny `architecture` model ('llama', 'qwen2' or 'qwen3') whose linears and token
+    embedding are `ggml_type` (`types` overrides it by GGUF tensor name, e.g.
+    {"output.weight": "Q6_K"}); no `output.weight` where `tied`."""
+    rng = np.random.default_rng(seed)
+    tokenizer = build_tokenizer(path.parent / f"{path.stem}-tokenizer")
+    vocab = len(tokenizer)
+    head_dim = hidden // heads
+    writer = GGUFWriter(path, architecture)
+    writer.add_name(f"tiny-{architecture}")
+    writer.add_context_length(2048)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_block_count(layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(1e-5)
+    writer.add_rope_freq_base(10000.0)
+    if architecture == "llama":
+        writer.add_rope_dimension_count(head_dim)
+    if architecture == "qwen3":
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    _add_tokenizer(writer, tokenizer)
+    shapes = _tensor_shapes(
+        architecture, hidden, intermediate, layers, head_dim, heads, kv_heads, vocab, tied
+    )
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            values = (
+                np.ones(shape, np.float32)
+                if "norm" in name
+                else rng.standard_normal(shape).astype(np.float32) * 0.02
+            )
+            writer.add_tensor(name, values)
+            continue
+        chosen = (types or {}).get(name, ggml_type)
+        data = random_blocks(chosen, *shape, rng)
+        raw = None if chosen in ("F32", "F16") else GGMLQuantizationType[chosen]
+        writer.add_tensor(name, data, raw_dtype=raw)
+    for name, values in (extra_tensors or {}).items():
+        writer.add_tensor(name, values)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tensor_shapes(
+    architecture: str, hidden: int, intermediate: int, layers: int, head_dim: int, heads: int,
+    kv_heads: int, vocab: int, tied: bool,
+) -> dict[str, tuple[int, ...]]:  # fmt: skip
+    shapes: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, hidden)}
+    for i in range(layers):
+        block = f"blk.{i}"
+        shapes[f"{block}.attn_norm.weight"] = (hidden,)
+        shapes[f"{block}.attn_q.weight"] = (heads * head_dim, hidden)
+        shapes[f"{block}.attn_k.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{block}.attn_v.weight"] = (kv_heads * head_dim, hidden)
+        shapes[f"{block}.attn_output.weight"] = (hidden, heads * head_dim)
+        if architecture == "qwen2":
+            shapes[f"{block}.attn_q.bias"] = (heads * head_dim,)
+            shapes[f"{block}.attn_k.bias"] = (kv_heads * head_dim,)
+            shapes[f"{block}.attn_v.bias"] = (kv_heads * head_dim,)
+        if architecture == "qwen3":
+            shapes[f"{block}.attn_q_norm.weight"] = (head_dim,)
+            shapes[f"{block}.attn_k_norm.weight"] = (head_dim,)
+        shapes[f"{block}.ffn_norm.weight"] = (hidden,)
+        shapes[f"{block}.ffn_gate.weight"] = (intermediate, hidden)
+        shapes[f"{block}.ffn_up.weight"] = (intermediate, hidden)
+        shapes[f"{block}.ffn_down.weight"] = (hidden, intermediate)
+    shapes["output_norm.weight"] = (hidden,)
+    if not tied:
+        shapes["output.weight"] = (vocab, hidden)
+    return shapes
+
+
+def _add_tokenizer(writer: GGUFWriter, tokenizer) -> None:
+    """The tokenizer as llama.cpp's converter writes a byte-level BPE ("gpt2")."""
+    model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    by_id = sorted(model["vocab"].items(), key=lambda item: item[1])
+    tokens = [token for token, _ in by_id]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [TokenType.CONTROL if token in SPECIAL_TOKENS else TokenType.NORMAL for token in tokens]
+    )
+    writer.add_token_merges(
+        [" ".join(pair) if isinstance(pair, list) else pair for pair in model["merges"]]
+    )
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_chat_template(CHAT_TEMPLATE)
