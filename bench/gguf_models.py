@@ -8,7 +8,8 @@ over HTTP with `bench.serve`:
 
 - c=1 TPOT: one stream of `--max-tokens` tokens after a 100-word prompt (median);
 - c=8 tok/s: eight streams at once, output tokens per second;
-- TTFT of a `--long-prompt`-token prompt (2,000 by default), one token out;
+- TTFT of a `--long-prompt`-token prompt (2,000 by default): a one-token completion,
+  not streamed (a random model's token may have no text to stream);
 - peak and steady RSS of the server process (`VmHWM`, `VmRSS`), the peak including its
   start-up, the steady value read after the runs;
 - and the fraction of the memory-bandwidth bound each server reaches at c=1: the file's
@@ -34,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import torch
 from transformers import AutoTokenizer
 
@@ -131,6 +133,17 @@ def level(
     return asyncio.run(serve.run(args))[1][0]
 
 
+def first_token_ms(url: str, prompt: str) -> float:
+    """The time to a one-token completion of `prompt`, not streamed: its prefill and first
+    token (a random-weight model's token may have no text, which a stream would not show)."""
+    model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
+    start = time.perf_counter()
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=3600)
+    reply.raise_for_status()
+    return (time.perf_counter() - start) * 1000
+
+
 def measure(url: str, pid: int, args: argparse.Namespace, long_words: int, into: Measure) -> None:
     one = level(url, 1, args.requests, args.max_tokens, 100)
     into.tpot_ms.append(one.tpot_ms.p50 or float("nan"))
@@ -138,8 +151,7 @@ def measure(url: str, pid: int, args: argparse.Namespace, long_words: int, into:
         eight = level(url, SLOTS, 2 * SLOTS, args.max_tokens, 100)
         into.tok_s_c8.append(eight.output_throughput)
     if args.long_prompt:
-        long = level(url, 1, 1, 1, long_words)
-        into.ttft_ms.append(long.ttft_ms.p50 or float("nan"))
+        into.ttft_ms.append(first_token_ms(url, serve.make_prompts(1, long_words, seed=1)[0]))
     peak, steady = memory_gb(pid)
     into.peak_gb.append(peak)
     into.steady_gb.append(steady)

@@ -118,3 +118,29 @@ def build_gguf(shape: str, ggml_type: str, root: Path) -> Path:
         path.unlink()
     folder.rmdir()
     return out
+
+
+def default_model_gguf(ggml_type: str, root: Path) -> Path:
+    """`root/SmolLM2-135M-Instruct-<type>.gguf`: the default model (a real one) in another
+    type, built once: its Q4_1 GGUF dequantized to an fp32 transformers folder, converted
+    to f16 and quantized by llama.cpp's own tools. (A 576-wide model: llama-quantize keeps
+    a K type only for rows of a multiple of 256 inputs and falls back to Q5_0, Q5_1 or
+    Q8_0 for the others, as it does for any such model.)"""
+    from engine.model.loader import load_model
+
+    out = root / f"SmolLM2-135M-Instruct-{ggml_type}.gguf"
+    if out.is_file():
+        return out
+    folder = root / "SmolLM2-135M-Instruct-hf"
+    if not (folder / "config.json").is_file():
+        loaded = load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+        loaded.model.save_pretrained(folder)
+        loaded.tokenizer.save_pretrained(folder)
+    script = peers_script()
+    f16 = root / "SmolLM2-135M-Instruct-f16.gguf"
+    if not f16.is_file():
+        subprocess.run(["bash", str(script), "convert", str(folder), str(f16), "f16"], check=True)
+    partial = out.with_suffix(".partial")
+    subprocess.run(["bash", str(script), "quantize", str(f16), str(partial), ggml_type], check=True)
+    partial.rename(out)
+    return out

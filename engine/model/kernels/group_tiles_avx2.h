@@ -32,6 +32,47 @@ constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
 // at 12, 16, 24 and 32 KB on the 2-core Zen 3: 16 to 24 KB ran fastest).
 constexpr int64_t kPrefetchBytes = 20 * 1024;
 
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+
+inline __m256 load8(const at::BFloat16* x) {  // exact: bf16 is fp32's upper half
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// `quantize_super_block` with 8 lanes: the same bits (the maximum is exact in any order,
+// each code is the same product rounded the same way, the sums are integers).
+template <typename T>
+void quantize_super_block8(const T* x, int64_t r, int64_t b, int64_t k, QuantizedRows& q) {
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  __m256 lanes = _mm256_setzero_ps();
+  for (int64_t i = 0; i < kSuper; i += 8) {
+    lanes = _mm256_max_ps(_mm256_and_ps(load8(x + i), magnitude), lanes);  // NaN keeps lanes
+  }
+  alignas(32) float values[8];
+  _mm256_store_ps(values, lanes);
+  float amax = 0.0f;
+  for (const float value : values) amax = std::max(amax, value);
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  const __m256 scale = _mm256_set1_ps(inverse);
+  int8_t* out = q.codes256.get() + r * k + b * kSuper;
+  int32_t* sums = q.sums16.get() + r * (k / kHalf) + b * (kSuper / kHalf);
+  for (int64_t h = 0; h < kSuper / kHalf; ++h) {
+    // Rounded to nearest even (the default rounding, as std::nearbyint).
+    const __m256i low = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + h * kHalf), scale));
+    const __m256i high = _mm256_cvtps_epi32(_mm256_mul_ps(load8(x + h * kHalf + 8), scale));
+    alignas(32) int32_t codes[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes), low);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(codes + 8), high);
+    int32_t sum = 0;
+    for (int i = 0; i < 16; ++i) {
+      out[h * kHalf + i] = static_cast<int8_t>(codes[i]);
+      sum += codes[i];
+    }
+    sums[h] = sum;
+  }
+  q.scales256[r * (k / kSuper) + b] = amax / 127.0f;
+}
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool supers) {
   QuantizedRows q(m, k, groups, supers);
@@ -40,7 +81,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool 
     for (int64_t r = begin; r < end; ++r) {
       if (groups) quantize_row(x, r, k, q);
       for (int64_t b = 0; supers && b < k / kSuper; ++b) {
-        quantize_super_block(x + r * k + b * kSuper, r, b, k, q);
+        quantize_super_block8(x + r * k + b * kSuper, r, b, k, q);
       }
     }
   });
@@ -212,17 +253,37 @@ __attribute__((always_inline)) inline void scaled_group_sums(const Tile& tile, i
   }
 }
 
-// The sum over `count` small scales of half h (8 bytes at p, p + step, ...; signed or not)
-// times a row's integer input sums (one per scale, each the sum of `width` consecutive
-// entries of `sums`), per output: a super-block's mins term or its centring term.
-inline __m256i weighted_sums(const uint8_t* p, int64_t step, bool is_signed, const int32_t* sums,
-                             int count, int width) {
+// Pairs of a super-block's small scales (groups or sub-blocks 2p and 2p + 1) for each half,
+// as int16 factors of VPMADDWD: lane 2n holds output n's scale of 2p, lane 2n + 1 its scale
+// of 2p + 1 (`p`: the first of the 16-byte rows of scales, rows `step` bytes apart).
+inline void scale_pairs(const uint8_t* p, int64_t step, int pairs, bool is_signed,
+                        __m256i (*factor)[2]) {
+  for (int pair = 0; pair < pairs; ++pair) {
+    for (int h = 0; h < 2; ++h) {
+      const uint8_t* at = p + 2 * pair * step + 8 * h;
+      const __m128i first = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at));
+      const __m128i second = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(at + step));
+      const __m128i both = _mm_unpacklo_epi8(first, second);
+      factor[pair][h] = is_signed ? _mm256_cvtepi8_epi16(both) : _mm256_cvtepu8_epi16(both);
+    }
+  }
+}
+
+// Per output of half h: sum over the scales of `factor` times a row's integer input sums
+// (`sums`, one per scale, each the sum of `width` consecutive entries; each below 2^15),
+// a super-block's mins or centring term, exact in int32.
+inline __m256i weighted_sums(const __m256i (*factor)[2], int h, const int32_t* sums, int pairs,
+                             int width) {
   __m256i total = _mm256_setzero_si256();
-  for (int j = 0; j < count; ++j) {
-    int32_t sum = 0;
-    for (int i = 0; i < width; ++i) sum += sums[j * width + i];
-    const __m256i scales = load_bytes8(p + j * step, is_signed);
-    total = _mm256_add_epi32(total, _mm256_mullo_epi32(scales, _mm256_set1_epi32(sum)));
+  for (int pair = 0; pair < pairs; ++pair) {
+    int32_t first = 0, second = 0;
+    for (int i = 0; i < width; ++i) {
+      first += sums[2 * pair * width + i];
+      second += sums[(2 * pair + 1) * width + i];
+    }
+    const int32_t both = static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFF) |
+                                              (static_cast<uint32_t>(second) << 16));
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(factor[pair][h], _mm256_set1_epi32(both)));
   }
   return total;
 }
@@ -241,7 +302,7 @@ void affine_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int
   const int64_t groups = k / kGroup;
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* c = tile.codes + g * w.group_bytes();
-    prefetch_group(c, w.group_bytes());
+    if (r0 == 0) prefetch_group(c, w.group_bytes());  // later runs find it cached
     __m256i isum[Rows][2];
     group_sums<Rows, Bits>(c, q.codes.get() + r0 * k + g * kGroup, k, isum);
     for (int h = 0; h < 2; ++h) {
@@ -265,13 +326,21 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
                 float (*acc)[kTile]) {
   const int64_t k = w.k;
   const int64_t blocks = k / kSuper;
+  constexpr int pairs = Scheme == kSuperMin ? kSuper / kGroup / 2 : kSuper / kHalf / 2;
+  __m256i factor[pairs][2];
   for (int64_t b = 0; b < blocks; ++b) {
+    if constexpr (Scheme == kSuperMin) {  // the groups' minimums
+      scale_pairs(tile.sub + b * (kSuper / kGroup) * 2 * kTile + kTile, 2 * kTile, pairs, false,
+                  factor);
+    } else {  // the sub-blocks' scales
+      scale_pairs(tile.sub + b * (kSuper / kHalf) * kTile, kTile, pairs, true, factor);
+    }
     __m256i isum[Rows][2];
     for (int64_t r = 0; r < Rows; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int64_t j = 0; j < kSuper / kGroup; ++j) {
       const int64_t g = b * (kSuper / kGroup) + j;
       const uint8_t* c = tile.codes + g * w.group_bytes();
-      prefetch_group(c, w.group_bytes());
+      if (r0 == 0) prefetch_group(c, w.group_bytes());  // later runs find it cached
       const int8_t* x = q.codes256.get() + r0 * k + g * kGroup;
       scaled_group_sums<Rows, Bits, Scheme>(tile, g, c, x, k, isum);
     }
@@ -283,16 +352,14 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
         const __m256 step = _mm256_mul_ps(load_halves8(tile.scales + b * kTile + 8 * h), xs);
         float* a = acc[r] + 8 * h;
         if constexpr (Scheme == kSuperMin) {
-          const uint8_t* mins = tile.sub + b * (kSuper / kGroup) * 2 * kTile + kTile + 8 * h;
-          const __m256i msum = weighted_sums(mins, 2 * kTile, false, sums16, kSuper / kGroup, 2);
+          const __m256i msum = weighted_sums(factor, h, sums16, pairs, 2);
           const __m256 mstep =
               negated(_mm256_mul_ps(load_halves8(tile.offsets + b * kTile + 8 * h), xs));
           const __m256 v =
               _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), step, _mm256_load_ps(a));
           _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), mstep, v));
         } else {
-          const uint8_t* scales = tile.sub + b * (kSuper / kHalf) * kTile + 8 * h;
-          const __m256i centring = weighted_sums(scales, kTile, true, sums16, kSuper / kHalf, 1);
+          const __m256i centring = weighted_sums(factor, h, sums16, pairs, 1);
           const __m256i sum = _mm256_sub_epi32(isum[r][h], _mm256_slli_epi32(centring, Bits - 1));
           _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), step, _mm256_load_ps(a)));
         }
