@@ -18,12 +18,15 @@ variant's perplexity and its change against the unquantized model of the same dt
 `--llama-cpp` scores as llama.cpp's `llama-perplexity -c WINDOW` does, to compare with it
 on the same GGUF and text (`--write-text PATH` writes the text for it): the whole text's
 tokens in consecutive windows, each window's first token replaced by BOS where the
-tokenizer adds one, and only the tokens of each window's second half scored.
+tokenizer adds one, and only the tokens of each window's second half scored. Tokenizers
+can differ (llama.cpp's pre-tokenizer and the one transformers builds from a GGUF split
+some runs of spaces differently): `--token-ids` scores the tokens llama.cpp made.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -118,14 +121,23 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", help="only these variants' modes")
     parser.add_argument("--llama-cpp", action="store_true", help="score as llama-perplexity")
     parser.add_argument("--write-text", type=Path, help="write the text to this file and exit")
+    parser.add_argument(
+        "--token-ids",
+        type=Path,
+        help="the text's token ids (a JSON list, e.g. llama-server's /tokenize of it) instead "
+        "of this tokenizer's, so that both sides score the very same tokens",
+    )
     args = parser.parse_args()
     if args.write_text:
         args.write_text.write_text(text())
         return
     transformers_logging.disable_progress_bar()
     tokenizer = load_model(args.model, dtype=torch.float32, device=CPU).tokenizer
-    encoded = tokenizer(text(), add_special_tokens=False)["input_ids"]
-    ids = torch.tensor(encoded if args.llama_cpp else encoded[: args.tokens])
+    if args.token_ids:
+        encoded = json.loads(args.token_ids.read_text())
+    else:
+        encoded = tokenizer(text(), add_special_tokens=False)["input_ids"]
+    ids = torch.tensor(encoded[: args.tokens])
     version = ".".join(map(str, sys.version_info[:3]))
     scoring = "llama-perplexity's scoring" if args.llama_cpp else "every token"
     print(

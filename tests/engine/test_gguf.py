@@ -75,6 +75,34 @@ def test_each_types_blocks_repack_to_the_very_weights_gguf_reads(ggml_type: str)
     assert torch.equal(group_linear.unpack(packed, rows), torch.from_numpy(expected[rows.numpy()]))
 
 
+def rounded_inputs(x: torch.Tensor, per: int) -> torch.Tensor:
+    """x as the kernel rounds it: int8 codes per `per` inputs (scale max|x| / 127) times
+    their scale."""
+    rows, k = x.shape
+    groups = x.reshape(rows, k // per, per)
+    scale = groups.abs().amax(dim=2, keepdim=True) / 127
+    codes = torch.where(scale > 0, torch.round(groups / scale), torch.zeros_like(groups))
+    return (codes * scale).reshape(rows, k)
+
+
+@pytest.mark.parametrize("ggml_type", KERNEL_TYPES)
+def test_the_kernel_computes_the_weights_against_the_rounded_inputs(ggml_type: str):
+    """Every part of a weight, its scaled codes and its offset or minimum alike, meets the
+    same rounded inputs, as in llama.cpp's Q8_1 and Q8_K dot products: for weights centred
+    on zero their rounding errors cancel. (An offset against the inputs' exact sum does
+    not: the default model's linears then erred 2.5 times as much.)"""
+    rng = np.random.default_rng(2)
+    packed = ggml_blocks.to_packed(ggml_type, random_blocks(ggml_type, 48, 512, rng))
+    weight = group_linear.unpack(packed).double()
+    x = torch.from_numpy(rng.standard_normal((5, 512)).astype(np.float32))
+    per = 256 if ggml_type.endswith("_K") else 32
+    expected = rounded_inputs(x.double(), per) @ weight.T
+    got = group_linear.group_linear(x, packed).double()
+    assert ((got - expected).norm() / expected.norm()).item() < 1e-5
+    exact = x.double() @ weight.T
+    assert ((got - exact).norm() / exact.norm()).item() > 1e-3  # the inputs' rounding shows
+
+
 @pytest.mark.parametrize("ggml_type", KERNEL_TYPES)
 def test_a_gguf_loads_in_its_own_type_with_the_files_exact_weights(
     tmp_path: Path, cache: Path, ggml_type: str
@@ -162,10 +190,13 @@ def test_a_file_of_mixed_types_and_biases_serves_each_in_its_own(tmp_path: Path,
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
     eager = served(path, enforce_eager=True).generate(PROMPTS, params, use_tqdm=False)
     compiled = llm.generate(PROMPTS, params, use_tqdm=False)
+    # The compiled graph fuses the norms, whose last bits can move one of the kernel's int8
+    # codes of x: the same tokens, logprobs within a code's step.
     for one, other in zip(eager, compiled, strict=True):
+        assert other.outputs[0].token_ids == one.outputs[0].token_ids
         got = [lp.logprob for lp in other.outputs[0].logprobs]
         want = [lp.logprob for lp in one.outputs[0].logprobs]
-        assert np.allclose(got, want, atol=1e-3)
+        assert np.allclose(got, want, atol=2e-2)
 
 
 def test_quantization_none_serves_a_gguf_dequantized(tmp_path: Path, cache: Path):
@@ -248,9 +279,10 @@ def test_later_starts_map_the_converted_file_without_reading_the_gguf(
     path = write_gguf(tmp_path / "tiny.gguf", "Q4_K")
     served(path, enforce_eager=True)
     [converted] = (cache / "quantized").glob("tiny-*/weights.safetensors")
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="engine.first_use"):
         llm = served(path, enforce_eager=True)
-    assert "converting" not in caplog.text and "reading" not in caplog.text
+    assert not [r.message for r in caplog.records if r.name == "engine.first_use"]
     assert llm.engine.quantization == "gguf"
     assert str(converted) in Path("/proc/self/maps").read_text()
     # Keyed by the file: a file written again is converted again.

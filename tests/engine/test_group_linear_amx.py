@@ -42,12 +42,12 @@ def both_paths(extension, x, packed, bias):
 
 
 def scalar_reference(x, codes, scales, offsets, bias):
-    """The header's "Arithmetic" in scalar-order torch fp32: x quantized per group of 32
-    (in-order sum), exact integer sums, then per group fma(isum, scale * xs, acc) and
-    fma(offset, xsum, acc) in order, the bias added, rounded once to x's dtype. An fp32 fma
-    is emulated in float64: its products are exact there (at most 45 significant bits) and
-    the sum rounds twice (to float64, then fp32), which matches a single rounding except in
-    rare ties, none in these seeded inputs."""
+    """The header's "Arithmetic" in scalar-order torch fp32: x quantized per group of 32,
+    exact integer sums, then per group fma(isum, scale * xs, acc) and fma(offset, xsum, acc)
+    in order (xsum: the codes' sum times xs), the bias added, rounded once to x's dtype. An
+    fp32 fma is emulated in float64: its products are exact there (at most 45 significant
+    bits) and the sum rounds twice (to float64, then fp32), which matches a single rounding
+    except in rare ties, none in these seeded inputs."""
     rows, k = x.shape
     groups = k // 32
     values = x.float().reshape(rows, groups, 32)
@@ -56,9 +56,7 @@ def scalar_reference(x, codes, scales, offsets, bias):
     inverse = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
     xq = torch.round(values * inverse[..., None])  # rounds half to even, as nearbyint
     xs = amax / levels
-    xsum = torch.zeros(rows, groups)
-    for i in range(32):  # in order
-        xsum = xsum + values[..., i]
+    xsum = xq.sum(dim=2) * xs  # the codes' integer sum (exact in fp32), times their scale
     isum = torch.einsum("mgi,ngi->mng", xq.double(), codes.double().reshape(-1, groups, 32))
     acc = torch.zeros(rows, codes.shape[0])
     for g in range(groups):

@@ -71,8 +71,9 @@ def test_requantizing_q4_1_weights_gives_them_back():
 
 
 def stated_arithmetic(x: torch.Tensor, codes, scales, offsets) -> torch.Tensor:
-    """The kernel's arithmetic (its source's "Arithmetic") in float64: each group of 32
-    inputs quantized to int8 by its max |x| / 127, integer sums, then scale and offset."""
+    """The kernel's arithmetic (group_tiles_scalar.h) in float64: each group of 32 inputs
+    quantized to int8 by its max |x| / 127, integer sums, then the scale against them and
+    the offset against the codes' sum, both in the rounded inputs (as llama.cpp's Q8_1)."""
     rows, k = x.shape
     groups = x.double().reshape(rows, k // 32, 32)
     amax = groups.float().abs().amax(dim=2)
@@ -80,7 +81,8 @@ def stated_arithmetic(x: torch.Tensor, codes, scales, offsets) -> torch.Tensor:
     xq = torch.round(groups.float() * inverse[..., None]).double()
     isum = torch.einsum("mgi,ngi->mng", xq, codes.double().reshape(-1, k // 32, 32))
     step = scales.double()[None] * (amax / 127.0).double()[:, None]
-    return (isum * step + offsets.double()[None] * groups.sum(dim=2)[:, None]).sum(dim=2)
+    xsum = xq.sum(dim=2) * (amax / 127.0).double()
+    return (isum * step + offsets.double()[None] * xsum[:, None]).sum(dim=2)
 
 
 @BITS

@@ -25,9 +25,13 @@
 //
 // A row of x is quantized to int8 (scale max|x| / 127, rounded to nearest even) as
 // llama.cpp quantizes it for each weight type: per group of 32 for the affine weights (with
-// the group's plain fp32 sum, in order), per super-block of 256 for the super weights (with
-// the integer sums of the codes per 16), so that their small scales apply to exact integer
-// sums and the float arithmetic runs once per super-block.
+// the sum of the group's codes, as its Q8_1 keeps), per super-block of 256 for the super
+// weights (with the integer sums of the codes per 16, as its Q8_K keeps), so that the
+// small scales apply to exact integer sums and the float arithmetic runs once per
+// super-block. A weight's offset (or minimum) meets the same rounded inputs as its scaled
+// codes: for weights centred on zero their rounding errors then cancel, where the offset
+// times the inputs' exact sum left them whole (the default model's perplexity, scored as
+// llama-perplexity scores it: 11.760 against llama.cpp's 11.641 on the same file, before).
 
 #pragma once
 
@@ -136,7 +140,7 @@ inline void dequantize_row(const Weights& w, int64_t row, float* out) {
 }
 
 // Rows of `k` inputs quantized two ways, each where a call's weights need it:
-// - per group of 32 (affine weights): int8 codes, the scale and the plain fp32 sum;
+// - per group of 32 (affine weights): int8 codes, the scale and the codes' sum times it;
 // - per super-block of 256 (super weights, as llama.cpp's Q8_K): int8 codes, the scale, and
 //   the integer sum of the codes per 16.
 struct QuantizedRows {
@@ -162,27 +166,23 @@ struct QuantizedRows {
 };
 
 // Row r of x into q's groups: per group of 32, scale = max|x| / 127, the codes x * (127 /
-// max|x|) rounded to nearest even, and the sum of x in order.
+// max|x|) rounded to nearest even, and the codes' integer sum times the scale.
 template <typename T>
 void quantize_row(const T* x, int64_t r, int64_t k, QuantizedRows& q) {
   const int64_t groups = k / kGroup;
-  float values[kGroup];
   for (int64_t g = 0; g < groups; ++g) {
     const T* p = x + r * k + g * kGroup;
     float amax = 0.0f;
-    float sum = 0.0f;
-    for (int64_t i = 0; i < kGroup; ++i) {
-      values[i] = static_cast<float>(p[i]);
-      amax = std::max(amax, std::fabs(values[i]));
-      sum += values[i];
-    }
+    for (int64_t i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(static_cast<float>(p[i])));
     const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
     int8_t* out = q.codes.get() + r * k + g * kGroup;
+    int32_t sum = 0;
     for (int64_t i = 0; i < kGroup; ++i) {
-      out[i] = static_cast<int8_t>(std::nearbyint(values[i] * inverse));
+      out[i] = static_cast<int8_t>(std::nearbyint(static_cast<float>(p[i]) * inverse));
+      sum += out[i];
     }
     q.scales[r * groups + g] = amax / 127.0f;
-    q.sums[r * groups + g] = sum;
+    q.sums[r * groups + g] = static_cast<float>(sum) * q.scales[r * groups + g];
   }
 }
 

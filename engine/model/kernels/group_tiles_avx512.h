@@ -40,8 +40,8 @@ inline __m512 load16(const at::BFloat16* x) {  // exact: bf16 is fp32's upper ha
 
 // Groups j0..j0+count-1 of x (flattened: group j is x[j * 32 .. j * 32 + 31], whatever its
 // row, since K is a multiple of 32), as the scalar quantize_row computes them: a lane per
-// group, taking its 32 inputs in turn, so that each lane's sum adds them in order and its
-// max is std::max's (amax stays where |x| is NaN or equal).
+// group, taking its 32 inputs in turn, so that its max is std::max's (amax stays where |x|
+// is NaN or equal); the codes' sum is an integer, the same in any order.
 template <typename T>
 void quantize_groups(const T* x, int64_t j0, int64_t count, QuantizedRows& q) {
   constexpr int stride = std::is_same_v<T, float> ? kGroup : kGroup / 2;  // 32-bit words
@@ -52,11 +52,7 @@ void quantize_groups(const T* x, int64_t j0, int64_t count, QuantizedRows& q) {
   const __mmask16 mask = static_cast<__mmask16>((1u << count) - 1);
   const T* base = x + j0 * kGroup;
   __m512 amax = _mm512_setzero_ps();
-  __m512 sum = _mm512_setzero_ps();
-  auto take = [&](__m512 v) {
-    amax = _mm512_max_ps(_mm512_and_ps(v, magnitude), amax);
-    sum = _mm512_add_ps(sum, v);
-  };
+  auto take = [&](__m512 v) { amax = _mm512_max_ps(_mm512_and_ps(v, magnitude), amax); };
   if constexpr (std::is_same_v<T, float>) {
     for (int i = 0; i < kGroup; ++i) take(gather_input(base, lanes, i, mask));
   } else {  // a 32-bit gather takes inputs i and i + 1 (i even) of each group
@@ -73,16 +69,18 @@ void quantize_groups(const T* x, int64_t j0, int64_t count, QuantizedRows& q) {
   alignas(64) float inverses[16];
   _mm512_store_ps(inverses, inverse);
   _mm512_mask_storeu_ps(q.scales.get() + j0, mask, _mm512_div_ps(amax, levels));
-  _mm512_mask_storeu_ps(q.sums.get() + j0, mask, sum);
   for (int64_t j = 0; j < count; ++j) {
     const __m512 scale = _mm512_set1_ps(inverses[j]);
     int8_t* out = q.codes.get() + (j0 + j) * kGroup;
+    __m512i sum = _mm512_setzero_si512();
     for (int half = 0; half < 2; ++half) {
       const __m512 v = load16(base + j * kGroup + half * 16);
       // Rounded to nearest even (the default rounding, as std::nearbyint), then narrowed.
       const __m512i codes = _mm512_cvtps_epi32(_mm512_mul_ps(v, scale));
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + half * 16), _mm512_cvtepi32_epi8(codes));
+      sum = _mm512_add_epi32(sum, codes);
     }
+    q.sums[j0 + j] = static_cast<float>(_mm512_reduce_add_epi32(sum)) * q.scales[j0 + j];
   }
 }
 
@@ -115,11 +113,7 @@ inline __m512 load_halves(const at::Half* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
-// 16 bytes as 16 fp32 lanes: unsigned, or signed.
-inline __m512 load_bytes(const uint8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
+// 16 signed bytes as 16 int32 lanes.
 inline __m512i load_signed_bytes(const uint8_t* p) {
   return _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 }
@@ -140,8 +134,8 @@ inline __m512i broadcast4(const int8_t* p) {
   return _mm512_set1_epi32(v);
 }
 
-// The epilogue of one group for one row: acc + isum * (scales * xs) + offsets * xsum, in
-// the stated order; the AMX path runs this very function.
+// The epilogue of one group for one row: acc + isum * (scales * xs) + offsets * xsum (xsum:
+// the codes' sum times xs), in the stated order; the AMX path runs this very function.
 inline __m512 accumulate(__m512 acc, __m512i isum, __m512 scales, __m512 offsets, float xs,
                          float xsum) {
   const __m512 step = _mm512_mul_ps(scales, _mm512_set1_ps(xs));

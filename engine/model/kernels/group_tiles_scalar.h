@@ -5,7 +5,7 @@
 //   affine, over the groups g of 32 inputs in order (x quantized per group):
 //     isum = sum_{i in g} code[n][i] * xq[m][i]                        (int32, exact)
 //     acc  = fma(float(isum), scale[n][g] * xs[m][g], acc)
-//     acc  = fma(offset[n][g], xsum[m][g], acc)
+//     acc  = fma(offset[n][g], xsum[m][g], acc)    xsum = float(sum_{i in g} xq[m][i]) * xs
 //   super-min, over the super-blocks b of 256 inputs in order (x quantized per 256):
 //     isum = sum_{g in b} sc[n][g] * sum_{i in g} code[n][i] * xq[m][i]   (int32, exact)
 //     msum = sum_{g in b} m[n][g] * sum_{i in g} xq[m][i]                  (int32, exact)
