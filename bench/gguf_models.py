@@ -12,6 +12,8 @@ over HTTP with `bench.serve`:
   not streamed (a random model's token may have no text to stream);
 - peak and steady RSS of the server process (`VmHWM`, `VmRSS`), the peak including its
   start-up, the steady value read after the runs;
+- the time from a server's launch to its health check answering: the first round's (for
+  pagedserve a first start where its cache does not hold the file yet) and the later ones';
 - and the fraction of the memory-bandwidth bound each server reaches at c=1: the file's
   tensor bytes (what a decode step reads) over this machine's streaming read bandwidth
   (`torch.sum` over 1 GiB on every core), against the measured TPOT.
@@ -58,6 +60,7 @@ class Measure:
     ttft_ms: list[float] = field(default_factory=list)
     peak_gb: list[float] = field(default_factory=list)
     steady_gb: list[float] = field(default_factory=list)
+    start_s: list[float] = field(default_factory=list)
 
 
 def llama_server_binary() -> Path:
@@ -175,15 +178,10 @@ def run_model(gguf: Path, args: argparse.Namespace, logs: Path) -> dict[str, Mea
         order = list(results) if round_ % 2 == 0 else list(results)[::-1]
         for server in order:
             port = free_port()
-            process = start(
-                server,
-                gguf,
-                port,
-                logs / f"{gguf.stem}-{server}-{round_}.log",
-                CONTEXT,
-                SLOTS,
-                None,
-            )
+            began = time.perf_counter()
+            log = logs / f"{gguf.stem}-{server}-{round_}.log"
+            process = start(server, gguf, port, log, CONTEXT, SLOTS, None)
+            results[server].start_s.append(time.perf_counter() - began)
             try:
                 measure(f"http://127.0.0.1:{port}", process.pid, args, long_words, results[server])
             finally:
@@ -211,6 +209,14 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def starts(seconds: list[float]) -> str:
+    """The first start's time to healthy and the median of the later ones."""
+    if not seconds:
+        return "-"
+    later = f", {median(seconds[1:]):.0f}" if len(seconds) > 1 else ""
+    return f"{seconds[0]:.0f}{later}"
+
+
 def table(rows: list[tuple[str, int, dict[str, Measure]]], bytes_per_s: float) -> str:
     lines = []
     for name, tensor_bytes, results in rows:
@@ -222,14 +228,14 @@ def table(rows: list[tuple[str, int, dict[str, Measure]]], bytes_per_s: float) -
                 name, server, f"{tpot:.1f}", f"{bound_ms / tpot:.0%}",
                 f"{median(m.tok_s_c8):.1f}" if m.tok_s_c8 else "-",
                 f"{median(m.ttft_ms) / 1000:.1f}" if m.ttft_ms else "-",
-                f"{max(m.peak_gb):.2f}", f"{median(m.steady_gb):.2f}",
+                f"{max(m.peak_gb):.2f}", f"{median(m.steady_gb):.2f}", starts(m.start_s),
             ])  # fmt: skip
         lines.append([
             name, "ratio", f"{median(ours.tpot_ms) / median(peer.tpot_ms):.2f}", "",
             f"{median(ours.tok_s_c8) / median(peer.tok_s_c8):.2f}" if ours.tok_s_c8 else "-",
             f"{median(ours.ttft_ms) / median(peer.ttft_ms):.2f}" if ours.ttft_ms else "-",
             f"{max(ours.peak_gb) / max(peer.peak_gb):.2f}",
-            f"{median(ours.steady_gb) / median(peer.steady_gb):.2f}",
+            f"{median(ours.steady_gb) / median(peer.steady_gb):.2f}", "",
         ])  # fmt: skip
     header = [
         "model",
@@ -240,6 +246,7 @@ def table(rows: list[tuple[str, int, dict[str, Measure]]], bytes_per_s: float) -
         "TTFT s",
         "peak GB",
         "steady GB",
+        "start s (first, later)",
     ]
     return format_table(header, lines)
 

@@ -50,11 +50,17 @@ def start(server: str, gguf: Path, port: int, log: Path):
 def top_logprobs(url: str, ids: list[int], top: int) -> dict[str, float]:
     """The next token's most likely tokens (by their text) and log-probabilities."""
     model = httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"]
-    body = {"model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": top}
+    body = {
+        "model": model, "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": top,
+        "top_p": 1, "repetition_penalty": 1,  # not the default model's sampling defaults
+    }  # fmt: skip
     reply = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
     reply.raise_for_status()
     [choice] = reply.json()["choices"]
-    return choice["logprobs"]["top_logprobs"][0]
+    logprobs = choice["logprobs"]
+    if "content" in logprobs:  # llama-server answers in the chat API's shape
+        return {e["token"]: e["logprob"] for e in logprobs["content"][0]["top_logprobs"]}
+    return logprobs["top_logprobs"][0]
 
 
 def prompts(model: str, count: int, length: int, seed: int) -> list[list[int]]:

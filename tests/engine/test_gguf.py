@@ -294,10 +294,12 @@ def test_later_starts_map_the_converted_file_without_reading_the_gguf(
 
 
 # Loads the GGUF in argv[2] the way the engine does, after the small one in argv[1] (which
-# imports and loads everything else), and prints the RSS before and the peak.
+# imports and loads everything else), and prints the RSS before and the peak: VmHWM, this
+# process's own high-water mark (getrusage's ru_maxrss keeps the parent's across exec).
 _PEAK = textwrap.dedent(
     """
-    import gc, resource, sys
+    import gc, sys
+    from pathlib import Path
     import psutil, torch
     from engine import capabilities
     from engine.model.loader import load_model
@@ -307,8 +309,8 @@ _PEAK = textwrap.dedent(
     gc.collect()
     before = psutil.Process().memory_info().rss
     load_model(sys.argv[2], dtype=torch.float32, device=cpu, install=install)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(before, peak)
+    status = Path("/proc/self/status").read_text().split("VmHWM:")[1]
+    print(before, int(status.split()[0]) * 1024)
     """
 )
 

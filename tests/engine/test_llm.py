@@ -155,9 +155,9 @@ def test_a_failed_request_raises_instead_of_returning_empty(
 def test_default_model_chat_answers_paris():
     # "What is the capital of France?" is a near tie at greedy between "The" and "L'Étoile"
     # once the linears quantize their inputs to int8 (llama-server answers "L'Étoile" on
-    # the same GGUF); this question is not, in fp32 and bf16, eager and compiled.
+    # the same GGUF); this one is not: llama-server and pagedserve, fp32 and bf16, say Paris.
     llm = LLM("default", max_model_len=512, kv_cache_memory="256MiB", dtype="float32")
-    messages = [{"role": "user", "content": "Which city is the capital of France?"}]
+    messages = [{"role": "user", "content": "Name the capital of France."}]
     output = llm.chat(messages, SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)[0]
     assert "Paris" in output.outputs[0].text
     assert output.outputs[0].finish_reason == "stop"

@@ -14,7 +14,7 @@ from server.config import ServeConfig
 from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
 
 pytestmark = pytest.mark.slow
-QUESTION = [{"role": "user", "content": "Which city is the capital of France?"}]
+QUESTION = [{"role": "user", "content": "Name the capital of France."}]
 # The README's first curl: no sampling field at all.
 README_BODY = {"model": "SmolLM2-135M-Instruct", "messages": QUESTION}
 
