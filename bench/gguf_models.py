@@ -21,8 +21,9 @@ over HTTP with `bench.serve`:
 Both servers get the same context: llama-server `-c 8 x 4096 --parallel 8` (eight slots of
 4,096 tokens), pagedserve `--max-model-len 4096` with its default KV cache. `--memory`
 adds a run of both at a single 4,096-token context (llama-server `-c 4096 --parallel 1`,
-pagedserve `--kv-cache-memory` of exactly 4,096 tokens), c=1 only, for the resident
-memory comparison. llama-server comes from `LLAMA_SERVER` or `../shared/peers`' build.
+pagedserve `--kv-cache-memory` of 4,096 tokens and the watermark's reserve), c=1 only,
+for the resident memory comparison. llama-server comes from `LLAMA_SERVER` or
+`../shared/peers`' build.
 """
 
 from __future__ import annotations
@@ -88,8 +89,9 @@ def start(
             sys.executable, "-m", "pagedserve", "serve", "--model", str(gguf),
             "--host", "127.0.0.1", "--port", str(port), "--max-model-len", str(context),
         ]  # fmt: skip
-        if kv_tokens is not None:
-            command += ["--kv-cache-memory", str(kv_tokens * kv_bytes_per_token(gguf))]
+        if kv_tokens is not None:  # and the 1% watermark's reserve, one block more
+            reserve = kv_tokens // 64
+            command += ["--kv-cache-memory", str((kv_tokens + reserve) * kv_bytes_per_token(gguf))]
     print(f"$ {' '.join(command)} > {log} 2>&1", file=sys.stderr, flush=True)
     with log.open("wb") as sink:
         process = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT)
@@ -278,11 +280,12 @@ def main(argv: list[str] | None = None) -> None:
         gguf = build_gguf(shape, args.type, args.models)
         tensor_bytes = step_bytes(gguf)
         rows.append((f"{shape} {args.type}", tensor_bytes, run_model(gguf, args, logs)))
+        print(table(rows, bytes_per_s), flush=True)
         if args.memory:
             memory_rows.append(
                 (f"{shape} {args.type}, 4096 ctx", tensor_bytes, run_memory(gguf, args, logs))
             )
-        print(table(rows, bytes_per_s), flush=True)
+            print(table(memory_rows, bytes_per_s), flush=True)
     print(f"stream read bandwidth: {bytes_per_s / 1e9:.1f} GB/s on {os.cpu_count()} threads")
     print(table(rows, bytes_per_s))
     if memory_rows:
