@@ -20,7 +20,6 @@ import torch
 
 from bench.tables import free_port
 from engine import LLM
-from engine.config import cache_root
 from engine.first_use import build_once
 from engine.first_use_manifest import MANIFEST
 from engine.linears import gguf_store, quantized_store
@@ -31,19 +30,6 @@ from tests.gguf_files import write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache of its own, but the C++ kernels the suite has built (or builds) once: a
-    first build takes a minute or more on a busy 2-core machine."""
-    root = tmp_path / "cache"
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    root.mkdir()
-    (root / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(root))
-    return root
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ from gguf.quants import dequantize
 from transformers import BertConfig, BertModel
 
 from engine import LLM, SamplingParams
-from engine.config import ConfigError, cache_root
+from engine.config import ConfigError
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.linears import ggml_blocks
 from engine.linears.quantized_embedding import QuantizedEmbedding
@@ -39,19 +39,6 @@ pytestmark = pytest.mark.skipif(
     reason="the C++ kernel cannot be built here",
 )
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [200, 100, 50, 25], list(range(40, 70))]
-
-
-@pytest.fixture
-def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A cache of its own, but the C++ kernels the suite has built (or builds) once: a
-    first build takes a minute or more on a busy 2-core machine."""
-    root = tmp_path / "cache"
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    root.mkdir()
-    (root / "kernels").symlink_to(kernels, target_is_directory=True)
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(root))
-    return root
 
 
 def served(path: Path, **settings) -> LLM:
