@@ -3,6 +3,16 @@
 from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes, hash_block
 from cache.block_manager import AllocStatus, BlockManager
 from cache.block_map import BlockState
+from cache.events import (
+    MEDIUM_CPU,
+    MEDIUM_DISK,
+    MEDIUM_GPU,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEvent,
+    stored_events,
+)
 from cache.profiling import (
     InsufficientKVCacheError,
     bytes_per_block,
@@ -12,15 +22,25 @@ from cache.profiling import (
     profile_num_blocks,
 )
 from cache.stats import CacheStats
+from cache.tier import PrefixTier, RegisteredBlock
 
 __all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_DISK",
+    "MEDIUM_GPU",
+    "AllBlocksCleared",
     "AllocStatus",
     "BlockManager",
+    "BlockRemoved",
     "BlockState",
+    "BlockStored",
     "CacheStats",
     "FreeBlockQueue",
     "InsufficientKVCacheError",
     "KVCacheBlock",
+    "KVEvent",
+    "PrefixTier",
+    "RegisteredBlock",
     "bytes_per_block",
     "cdiv",
     "extend_block_hashes",
@@ -29,4 +49,5 @@ __all__ = [
     "kv_cache_bytes_cuda",
     "num_kv_blocks",
     "profile_num_blocks",
+    "stored_events",
 ]

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 
 from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes
 from cache.block_map import block_map
+from cache.events import AllBlocksCleared, BlockRemoved, KVEvent, stored_events
 from cache.stats import CacheStats
+from cache.tier import RegisteredBlock
 
 # The prefix id a sequence's first block extends: the empty prefix. Real ids count up from 1.
 _EMPTY_PREFIX = 0
@@ -54,6 +56,11 @@ class BlockManager:
     - Prefix ids are never reused, so a hit, confirmed by tokens and parent prefix id, always
       holds exactly the KV of the requested prefix, whatever the hash function returns.
 
+    With `record_events`, every registration, eviction and reset is also kept as a
+    `KVEvent` of `medium` until `take_events()`; with `record_registered`, every block
+    registered since `take_registered()` (for a tier below, which stores them once their
+    KV is written; `reset_prefix_cache` forgets them, whose KV may be unwritten).
+
     `block_hashes` arguments are the chained hashes of the full blocks of `token_ids`, as
     `extend_block_hashes` computes them (they may run ahead of what a call needs). A caller
     that keeps them across calls, as the scheduler does on each sequence, hashes every
@@ -67,6 +74,9 @@ class BlockManager:
         *,
         enable_prefix_caching: bool = True,
         watermark: float = 0.01,
+        record_events: bool = False,
+        record_registered: bool = False,
+        medium: str = "CPU",
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks, block_size > 0; got {num_blocks}, {block_size}")
@@ -85,6 +95,9 @@ class BlockManager:
         self._prefix_queries = 0
         self._prefix_hits = 0
         self._evictions = 0
+        self.medium = medium
+        self._events: list[KVEvent] | None = [] if record_events else None
+        self._registered: list[RegisteredBlock] | None = [] if record_registered else None
 
     @property
     def num_free_blocks(self) -> int:
@@ -190,6 +203,7 @@ class BlockManager:
         if seq.num_hashed >= num_full or seq.prefix_id is None:
             return
         hashes = self._hashes(token_ids, num_full, block_hashes)
+        stored: list[RegisteredBlock] = []
         while seq.num_hashed < num_full and seq.prefix_id is not None:
             if seq.num_hashed < seq.num_released:  # another sequence may own it by now
                 seq.prefix_id = None
@@ -208,6 +222,9 @@ class BlockManager:
                 block.prefix_id = prefix_id
                 block.parent_prefix_id = seq.prefix_id
                 self._cached[block_hash] = block
+                if self._events is not None or self._registered is not None:
+                    parent = hashes[seq.num_hashed - 1] if seq.num_hashed else None
+                    stored.append(RegisteredBlock(block.block_id, block_hash, parent, tokens))
             elif existing.token_ids == tokens and existing.parent_prefix_id == seq.prefix_id:
                 # Same content as ours: later blocks chain onto its prefix, so they are found
                 # by lookups that pass through the registered twin.
@@ -216,6 +233,30 @@ class BlockManager:
                 prefix_id = None
             seq.num_hashed += 1
             seq.prefix_id = prefix_id
+        if stored:
+            self._record_stored(stored)
+
+    def _record_stored(self, stored: list[RegisteredBlock]) -> None:
+        """Keep one registration call's blocks for `take_registered` and as events."""
+        if self._registered is not None:
+            self._registered.extend(stored)
+        if self._events is not None:
+            self._events += stored_events(stored, self.block_size, self.medium)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call (none without `record_events`)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def take_registered(self) -> list[RegisteredBlock]:
+        """The blocks registered since the last call, in order of registration (none
+        without `record_registered`)."""
+        if not self._registered:
+            return []
+        registered, self._registered = self._registered, []
+        return registered
 
     def free(self, seq_id: str) -> None:
         """Release the blocks of `seq_id`; unknown ids are ignored.
@@ -268,6 +309,10 @@ class BlockManager:
         for block in self._cached.values():
             block.forget_hash()
         self._cached.clear()
+        if self._registered is not None:
+            self._registered.clear()
+        if self._events is not None:
+            self._events.append(AllBlocksCleared(self.medium))
         self._num_cached_free = 0
         for seq in self._seqs.values():
             seq.num_hashed = 0
@@ -338,15 +383,19 @@ class BlockManager:
     def _take_free(self, num_blocks: int) -> list[KVCacheBlock]:
         """Pop `num_blocks` blocks off the free-queue front for new use, evicting lazily."""
         taken = []
+        evicted: list[int] = []
         for _ in range(num_blocks):
             block = self._free.popleft()
             if block.block_hash is not None:
                 # The hash stayed valid while the block sat free; drop it now that the block
                 # will be overwritten.
                 del self._cached[block.block_hash]
+                evicted.append(block.block_hash)
                 block.forget_hash()
                 self._num_cached_free -= 1
                 self._evictions += 1
             block.ref_count = 1
             taken.append(block)
+        if evicted and self._events is not None:
+            self._events.append(BlockRemoved(tuple(evicted), self.medium))
         return taken

@@ -298,6 +298,7 @@ class AsyncLLM:
             )
             self._failure = exc
         finally:
+            self.engine.close()
             self._stop_answering()
             # No stream is registered from now on; fail those left (all of them when the
             # loop died, those a shutdown cut short when it was stopped).

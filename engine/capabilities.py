@@ -8,6 +8,9 @@ setting asks for it:
   CPU (`pack`);
 - `engine.grammar`: structured outputs and tool-call grammars through llguidance, asked
   for by a request's `structured_outputs` (`grammar_compiler`);
+- `engine.kv_tiers`: the disk tier under the prefix cache, chosen by `kv_disk_size`
+  (`kv_tier`); `engine.kv_events`: KV-cache events over ZMQ, chosen by
+  `kv_events_config` (`kv_event_publisher`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
   door: the backend registry, `engine.model.attention_backend`.
 
@@ -21,19 +24,22 @@ where nothing asked for it explicitly, goes without it and says so.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
 
+from cache import KVEvent
 from engine.config import ConfigError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    from engine.kv_events_config import KVEventsConfig
+    from engine.kv_tier import KVTier
     from engine.model.loader import Install
     from engine.model.step_executor import EagerSteps, StepExecutor
     from engine.sampling.logits_constraint import ConstraintCompiler
@@ -135,3 +141,46 @@ def grammar_compiler(
         logger.warning("structured outputs and tool grammars are off: %s", reason)
         return None
     return GrammarCompiler(tokenizer, vocab_size, eos_token_ids)
+
+
+def kv_tier(
+    kv_cache: torch.Tensor, capacity: int, root: Path, source: Path,
+    settings: Mapping[str, str], block_size: int,
+) -> KVTier:  # fmt: skip
+    """The disk tier of `capacity` bytes under `root`, in the folder of this model's files
+    and `settings` (what changes a block's bits). Fails with one line naming
+    `kv_disk_size` where the room cannot be imported or the folder cannot be used."""
+    try:
+        from engine.kv_tiers.disk_tier import DiskTier, tier_key
+    except ImportError as exc:
+        raise ConfigError(f"kv_disk_size: {missing('engine.kv_tiers', exc)}") from None
+    try:
+        key = tier_key(settings, source)
+        return DiskTier(kv_cache, capacity, root, key, block_size)
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"kv_disk_size: the disk tier at {root} cannot serve: {exc}") from None
+
+
+class EventPublisher(Protocol):
+    def publish(self, events: Sequence[KVEvent]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def kv_event_publisher(config: KVEventsConfig | None) -> EventPublisher | None:
+    """The ZMQ publisher `kv_events_config` asks for, bound to its endpoints; None when
+    events are off. A missing pyzmq or msgpack, or an endpoint that cannot be bound,
+    fails with one line naming `kv_events_config`."""
+    if config is None or not config.enable_kv_cache_events or config.publisher == "null":
+        return None
+    try:
+        from engine.kv_events.zmq_publisher import ZmqEventPublisher
+    except ImportError as exc:
+        raise ConfigError(
+            f"kv_events_config: {missing('engine.kv_events', exc)}; "
+            "pip install 'pagedserve[kv-events]'"
+        ) from None
+    try:
+        return ZmqEventPublisher(config)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None

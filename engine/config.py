@@ -25,6 +25,7 @@ from pydantic import (
     model_validator,
 )
 
+from engine.kv_events_config import KVEventsConfig
 from engine.sampling.params import (
     GENERATION_CONFIG_FILE,
     GENERATION_CONFIG_KEYS,
@@ -158,6 +159,31 @@ class EngineConfig(BaseModel):
         '4, "prompt_lookup_max": 3}\'; {} turns it off',
     )
 
+    # The disk tier under the prefix cache (engine/kv_tiers/, docs/kv-tiers.md): full
+    # prefix blocks are written to files as their KV is computed, and a prefix lookup
+    # that stops in memory goes on there, also after a restart. A budget such as '4GiB',
+    # least recently used blocks dropped beyond it; 0: off. Files live under kv_disk_path
+    # (default $PAGEDSERVE_CACHE/kv), in a folder per model and setting that change a
+    # block's bits, so several servers may share it.
+    kv_disk_size: ByteSize = Field(
+        0, ge=0, description="budget of the disk tier under the prefix cache, e.g. '4GiB'; 0: off"
+    )
+    kv_disk_path: str | None = Field(
+        None, min_length=1, description="folder of the disk tier; default: $PAGEDSERVE_CACHE/kv"
+    )
+    # vLLM's setting: a pool of pinned host memory that evicted GPU blocks are copied to
+    # and back from on a hit. Refused on the CPU, where the KV cache already is host RAM.
+    kv_offloading_size: ByteSize = Field(
+        0, ge=0, description="host RAM for KV blocks evicted from a GPU, e.g. '8GiB'; 0: off"
+    )
+    # KV-cache events for external routers, vLLM's `--kv-events-config` (its keys and wire
+    # format): every block the KV tensor or a tier stores or drops, published over ZMQ.
+    kv_events_config: KVEventsConfig | None = Field(
+        None,
+        description="JSON object with vLLM's keys, e.g. '{\"enable_kv_cache_events\": true, "
+        '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
+
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
     # the field and the setting.
@@ -214,6 +240,16 @@ class EngineConfig(BaseModel):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not a JSON object: {exc}") from None
         return None if value == {} else value
+
+    @field_validator("kv_events_config", mode="before")
+    @classmethod
+    def _kv_events_from_json(cls, value: object) -> object:
+        if isinstance(value, str):
+            try:
+                return json.loads(value) if value.strip() else None
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON object: {exc}") from None
+        return value
 
     @field_validator("override_generation_config")
     @classmethod

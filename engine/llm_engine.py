@@ -12,10 +12,19 @@ from typing import Any
 
 import torch
 
-from cache import BlockManager, bytes_per_block, cdiv, extend_block_hashes, profile_num_blocks
+from cache import (
+    MEDIUM_CPU,
+    MEDIUM_GPU,
+    BlockManager,
+    bytes_per_block,
+    cdiv,
+    extend_block_hashes,
+    profile_num_blocks,
+)
 from engine import capabilities
 from engine.capabilities import StepPath
-from engine.config import ConfigError, EngineConfig
+from engine.config import ConfigError, EngineConfig, cache_root
+from engine.kv_tier import KVTier
 from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
@@ -61,6 +70,8 @@ def _rows_of_unfinished(
 
 # A model's own limit is often far beyond what a CPU serves usefully; cap the default.
 DEFAULT_MAX_MODEL_LEN = 8192
+# How long a step with nothing to run waits for a tier's load, rather than spin.
+LOAD_WAIT_SECONDS = 0.02
 
 
 class LLMEngine:
@@ -138,11 +149,16 @@ class LLMEngine:
             step_path=capabilities.step_executor(self._step_path(), config.max_num_seqs),
         )
         self._warm_up(config)
+        self.tier = self._kv_tier(config, loaded.source, kv_cache)
+        self.events = capabilities.kv_event_publisher(config.kv_events_config)
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
             enable_prefix_caching=config.enable_prefix_caching,
             watermark=config.watermark,
+            record_events=self.events is not None,
+            record_registered=self.tier is not None,
+            medium=MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU,
         )
         self.scheduler = Scheduler(
             block_manager,
@@ -151,6 +167,7 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill,
             sliding_window=self.kv_layout.sliding_window,
             policy=config.scheduling_policy,
+            tier=self.tier,
         )
         self.grammars = capabilities.grammar_compiler(
             self.tokenizer, self.vocab_size, self.eos_token_ids
@@ -324,6 +341,40 @@ class LLMEngine:
             self.runner.executor = self.runner.eager
             self.compiled = False
 
+    def _kv_tier(self, config: EngineConfig, source: str, kv_cache: torch.Tensor) -> KVTier | None:
+        """The disk tier `kv_disk_size` asks for, keyed by everything that changes a block's
+        bits here, and logged; None when it is 0 (or prefix caching, above it, is off)."""
+        if config.kv_offloading_size:
+            raise ConfigError(
+                "kv_offloading_size is host RAM for a GPU's KV blocks; "
+                + (
+                    "on the CPU the KV cache is in RAM already: raise kv_cache_memory instead"
+                    if self.device.type != "cuda"
+                    else "this version does not offload GPU blocks to it: use kv_disk_size"
+                )
+            )
+        if not config.kv_disk_size:
+            return None
+        if not config.enable_prefix_caching:
+            logger.warning("KV disk tier off: it sits under the prefix cache, which is off")
+            return None
+        root = Path(config.kv_disk_path) if config.kv_disk_path else cache_root() / "kv"
+        settings = {
+            "quantization": self.quantization, "dtype": str(self.dtype),
+            "device": self.device.type, "block_size": str(self.block_size),
+            "kv_layout": repr(self.kv_layout), "kv_dtype": str(kv_cache.dtype),
+            "step_path": self._step_path(), "attention": self.attention.backend.name,
+        }  # fmt: skip
+        tier = capabilities.kv_tier(
+            kv_cache, int(config.kv_disk_size), root, Path(source), settings, self.block_size
+        )
+        stats = tier.stats()
+        logger.info(
+            "KV disk tier: %.1f MiB of %.1f MiB used (%d blocks), at %s",
+            stats.bytes_used / 2**20, stats.capacity / 2**20, stats.num_blocks, stats.path,
+        )  # fmt: skip
+        return tier
+
     def _profile_num_blocks(self, layout: KVLayout) -> int:
         """Size the KV cache from the memory the model leaves free.
 
@@ -433,19 +484,56 @@ class LLMEngine:
         since their K/V may not have been written.
         """
         touched: dict[str, RequestState] = {}
+        if self.tier is not None:
+            self._finish_loads(0.0)
         launched = self._launched or self._launch(touched)
         self._launched = None
         if launched is not None:
             taken = self._sample(launched, touched)
+            self._store_blocks()  # before a launch registers blocks whose KV is unwritten
             if self.async_scheduling:
                 self._launched = self._launch(touched)
             self._add_texts(taken)
+        elif self.tier is not None:
+            self._store_blocks()
+            self._finish_loads(LOAD_WAIT_SECONDS)  # nothing else to run: wait, not spin
+        if self.events is not None:
+            self._publish_events()
         outputs = []
         for state in touched.values():
             outputs.append(state.take_output())
             if state.finished:
                 self._forget(state)
         return outputs
+
+    def _finish_loads(self, wait: float) -> None:
+        """Copy the tier's finished loads in and let their sequences run."""
+        assert self.tier is not None
+        for load, num_blocks in self.tier.finish_loads(wait):
+            self.scheduler.loaded(load, num_blocks)
+
+    def _store_blocks(self) -> None:
+        """Hand the tier the blocks registered since the last call: their KV is written
+        (the steps that write it have run, and failed steps' registrations are gone)."""
+        if self.tier is not None:
+            registered = self.scheduler.block_manager.take_registered()
+            if registered:
+                self.tier.store(registered)
+
+    def _publish_events(self) -> None:
+        assert self.events is not None
+        events = self.scheduler.block_manager.take_events()
+        if self.tier is not None:
+            events += self.tier.take_events()
+        if events:
+            self.events.publish(events)
+
+    def close(self) -> None:
+        """Finish the tier's queued writes and stop its threads and the event publisher."""
+        if self.tier is not None:
+            self.tier.close()
+        if self.events is not None:
+            self.events.close()
 
     def _launch(self, touched: dict[str, RequestState]) -> _Launched | None:
         """Schedule a batch and start its forward (on CUDA it runs on while the host goes
@@ -457,6 +545,9 @@ class LLMEngine:
                 (self._samples[seq.seq_id] for seq in running), len(running)
             )
         batch = self.scheduler.schedule(drafts)
+        if batch.loads:
+            assert self.tier is not None
+            self.tier.start_loads(batch.loads)
         self.runner.update_block_tables(batch)
         for seq in batch.rejected:
             state = self._requests[seq.request_id]
@@ -646,6 +737,9 @@ class LLMEngine:
             generation_tokens_total=self._generation_tokens_total,
             num_preemptions=self.scheduler.num_preemptions,
             speculation=None if self.speculator is None else self.speculator.stats.copy(),
+            external_prefix_cache_queries=self.scheduler.tier_queries,
+            external_prefix_cache_hits=self.scheduler.tier_hits,
+            tier=None if self.tier is None else self.tier.stats(),
         )
 
     def sequences_by_priority(self) -> dict[str, dict[int, int]]:

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from cache import BlockState
+from engine.kv_tier import TierStats
 from engine.speculative.speculator import SpeculationStats
 from scheduler import SchedulingPolicy, Sequence, SequenceStatus
 
@@ -15,7 +16,9 @@ __all__ = ["BlockState", "EngineSnapshot", "EngineStats", "SequenceSnapshot"]
 @dataclass(slots=True)
 class EngineStats:
     """A snapshot for metrics; token counts are totals since start. `speculation` is
-    None when speculative decoding is off."""
+    None when speculative decoding is off, `tier` when no KV tier is. The external prefix
+    cache (vLLM's name for a tier below the KV tensor) counts, in tokens, the prompts that
+    looked in the tier and what was loaded from it."""
 
     num_running: int
     num_waiting: int
@@ -30,6 +33,9 @@ class EngineStats:
     generation_tokens_total: int
     num_preemptions: int
     speculation: SpeculationStats | None = None
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    tier: TierStats | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,7 +68,7 @@ class SequenceSnapshot:
         return cls(
             seq_id=seq.seq_id,
             request_id=seq.request_id,
-            status="running" if seq.status is SequenceStatus.RUNNING else "waiting",
+            status="waiting" if seq.status is SequenceStatus.WAITING else "running",
             priority=seq.priority,
             prompt_tokens=seq.num_prompt_tokens,
             output_tokens=seq.num_output_tokens,

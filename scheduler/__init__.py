@@ -7,6 +7,7 @@ from scheduler.sequence import (
     SchedulerOutput,
     Sequence,
     SequenceStatus,
+    TierLoad,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "SchedulingPolicy",
     "Sequence",
     "SequenceStatus",
+    "TierLoad",
 ]

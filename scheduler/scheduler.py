@@ -10,13 +10,14 @@ from collections.abc import Mapping
 from collections.abc import Sequence as SequenceOf
 from typing import Literal
 
-from cache import AllocStatus, BlockManager, CacheStats, cdiv
+from cache import AllocStatus, BlockManager, CacheStats, PrefixTier, cdiv, extend_block_hashes
 from scheduler.sequence import (
     FinishReason,
     ScheduledSequence,
     SchedulerOutput,
     Sequence,
     SequenceStatus,
+    TierLoad,
 )
 
 # vLLM's policies (`--scheduling-policy`): first come, first served; or by each request's
@@ -121,6 +122,13 @@ class Scheduler:
       higher priority value (`_preempt_for_waiting`); equal priorities never preempt each
       other for admission, so they share the cache first come, first served.
 
+    - With a KV tier below the block manager (`tier`), a prefix lookup that stops in
+      memory goes on in the tier: an admitted sequence whose next blocks the tier holds
+      takes fresh blocks for them and waits, LOADING (in `_running`, skipped by steps),
+      until the engine has copied them in and calls `loaded()`; meanwhile every other
+      sequence runs. Its block table reaches the runner (`new_block_ids`) in the step that
+      first schedules it, and only then does `freed` name it.
+
     Call order per step: `schedule()`, run the model on its output, `update()` with the
     sampled tokens, `accept_draft()` for each verified draft token (speculative decoding),
     then `finish()` the sequences that stopped. The block manager is the
@@ -141,6 +149,7 @@ class Scheduler:
         enable_chunked_prefill: bool = True,
         sliding_window: int = 0,
         policy: SchedulingPolicy = "fcfs",
+        tier: PrefixTier | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be at least 1")
@@ -161,6 +170,11 @@ class Scheduler:
         self._requests: dict[str, list[Sequence]] = {}
         self._freed: list[str] = []
         self._num_preemptions = 0
+        self.tier = tier
+        # Admitted (LOADING) sequences whose block table no step has handed the runner yet.
+        self._unseen: set[str] = set()
+        self.tier_queries = 0  # prompt tokens of admissions that looked in the tier
+        self.tier_hits = 0  # tokens loaded from it
 
     @property
     def num_waiting(self) -> int:
@@ -258,11 +272,28 @@ class Scheduler:
                 seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes
             )
 
+    def loaded(self, load: TierLoad, num_blocks: int) -> None:
+        """The first `num_blocks` blocks of `load` hold their KV now (the rest are computed):
+        count them as computed and cached, register them, and let the sequence run. A load
+        whose sequence was preempted or finished since is ignored."""
+        if not load.current:
+            return
+        seq = load.seq
+        seq.status = SequenceStatus.RUNNING
+        if num_blocks:
+            num_tokens = num_blocks * self.block_manager.block_size
+            seq.num_computed_tokens += num_tokens
+            seq.num_cached_tokens += num_tokens
+            self.tier_hits += num_tokens
+            self.block_manager.cache_full_blocks(
+                seq.seq_id, seq.token_ids, seq.num_computed_tokens, seq.block_hashes
+            )
+
     def finish(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> None:
         """Finish `seq` in any state and free its blocks at once."""
         if self._unfinished.get(seq.seq_id) is not seq:
             raise ValueError(f"sequence {seq.seq_id!r} is not an unfinished sequence here")
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.seq_id in self._running:
             del self._running[seq.seq_id]
             self._free_blocks(seq)
         else:
@@ -321,7 +352,10 @@ class Scheduler:
 
     def _free_blocks(self, seq: Sequence) -> None:
         self.block_manager.free(seq.seq_id)
-        self._freed.append(seq.seq_id)
+        if seq.seq_id in self._unseen:
+            self._unseen.discard(seq.seq_id)  # the runner never saw its table
+        else:
+            self._freed.append(seq.seq_id)
 
     def _schedule_running(
         self, output: SchedulerOutput, drafts: Mapping[str, SequenceOf[int]]
@@ -348,6 +382,9 @@ class Scheduler:
             new_blocks = self._grow_or_preempt(seq, num_slots, output)
             if new_blocks is None:
                 break  # seq preempted itself, so every newer one is gone too
+            if seq.seq_id in self._unseen:  # loaded from a tier: its first step
+                self._unseen.discard(seq.seq_id)
+                new_blocks = self.block_manager.block_table(seq.seq_id)
             draft: tuple[int, ...] = ()
             if num_new_tokens == 1 == seq.num_tokens - seq.num_computed_tokens:
                 draft = self._fit_draft(seq, drafts.get(seq.seq_id, ()), token_budget - 1)
@@ -457,9 +494,35 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self._running[seq.seq_id] = seq
+            if reuse and self._load_from_tier(seq, output):
+                continue
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, token_budget)
             self._add_to_batch(seq, num_new_tokens, output, manager.block_table(seq.seq_id))
             token_budget -= num_new_tokens
+
+    def _load_from_tier(self, seq: Sequence, output: SchedulerOutput) -> bool:
+        """Whether the just admitted `seq` waits for blocks from the tier: those after its
+        memory hits that the tier holds (never the block of the last token, which is
+        computed for its logits). If so it is LOADING and `output.loads` says what to load."""
+        if self.tier is None:
+            return False
+        self.tier_queries += seq.num_tokens
+        size = self.block_manager.block_size
+        first, end = seq.num_computed_tokens // size, (seq.num_tokens - 1) // size
+        if first >= end:
+            return False
+        extend_block_hashes(seq.block_hashes, seq.token_ids, size, end)
+        hashes = seq.block_hashes[first:end]
+        found = self.tier.lookup(hashes)
+        if not found:
+            return False
+        block_ids = self.block_manager.block_table(seq.seq_id)[first : first + found]
+        output.loads.append(
+            TierLoad(seq, first, tuple(block_ids), tuple(hashes[:found]), seq.num_preemptions)
+        )
+        seq.status = SequenceStatus.LOADING
+        self._unseen.add(seq.seq_id)
+        return True
 
     def _reject(self, seq: Sequence, error: str, output: SchedulerOutput) -> None:
         self.finish(seq, "error", error)

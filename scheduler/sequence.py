@@ -13,6 +13,8 @@ FinishReason = Literal["stop", "length", "abort", "error"]
 
 class SequenceStatus(enum.Enum):
     WAITING = enum.auto()
+    # Admitted, its blocks held, waiting for some of them to be loaded from a KV tier.
+    LOADING = enum.auto()
     RUNNING = enum.auto()
     FINISHED = enum.auto()
 
@@ -24,7 +26,8 @@ class Sequence:
 
     Invariants:
     - `seq_id` is unique among unfinished sequences; it keys the block table in the
-      block manager, which holds blocks for this sequence exactly while it is RUNNING.
+      block manager, which holds blocks for this sequence exactly while it is RUNNING or
+      LOADING.
     - `0 <= num_computed_tokens <= num_tokens`: the first `num_computed_tokens` of
       `token_ids` (prompt, then output) have K/V in the cache. A WAITING sequence has none,
       including one that was preempted: it keeps its output and recomputes all of it.
@@ -153,6 +156,25 @@ class ScheduledSequence:
         return tokens + list(self.draft_token_ids) if self.draft_token_ids else tokens
 
 
+@dataclass(slots=True, frozen=True)
+class TierLoad:
+    """Blocks of `seq` to load from a KV tier: `block_ids[i]` takes the KV of the block
+    whose hash is `block_hashes[i]`, the sequence's block `first_block + i`. `epoch` is
+    the sequence's `num_preemptions` when the load began: a load that finishes after its
+    sequence was preempted (or finished) is dropped."""
+
+    seq: Sequence
+    first_block: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[int, ...]
+    epoch: int
+
+    @property
+    def current(self) -> bool:
+        """Whether the sequence still waits for this load (its blocks are still its own)."""
+        return self.seq.status is SequenceStatus.LOADING and self.seq.num_preemptions == self.epoch
+
+
 @dataclass(slots=True)
 class SchedulerOutput:
     """The step's batch and its side effects.
@@ -170,6 +192,7 @@ class SchedulerOutput:
     rejected: list[Sequence] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
     freed: list[str] = field(default_factory=list)
+    loads: list[TierLoad] = field(default_factory=list)
 
     @property
     def sampling(self) -> list[ScheduledSequence]:

@@ -16,7 +16,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    Metric,
+    SummaryMetricFamily,
+)
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -39,6 +44,8 @@ VLLM_TWINS = {
     "kv_cache_usage_ratio": "vllm:kv_cache_usage_perc",
     "prefix_cache_queries": "vllm:prefix_cache_queries",
     "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "external_prefix_cache_queries": "vllm:external_prefix_cache_queries",
+    "external_prefix_cache_hits": "vllm:external_prefix_cache_hits",
     "prompt_tokens": "vllm:prompt_tokens",
     "generation_tokens": "vllm:generation_tokens",
     "num_preemptions": "vllm:num_preemptions",
@@ -99,6 +106,56 @@ class EngineStatsCollector(Collector):
             yield CounterMetricFamily(PREFIX + name, documentation, value=value)
         if stats.speculation is not None:
             yield from _speculation_counters(stats.speculation)
+        if stats.tier is not None:
+            yield from _tier_metrics(stats)
+
+
+def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """The KV tier's (only while one is on): the external prefix cache's queries and hits
+    under vLLM's names, and the tier's bytes, blocks, stores, loads, drops and load time."""
+    tier = stats.tier
+    assert tier is not None
+    yield CounterMetricFamily(
+        PREFIX + "external_prefix_cache_queries",
+        "Prompt tokens of requests that looked in the KV tier.",
+        value=stats.external_prefix_cache_queries,
+    )
+    yield CounterMetricFamily(
+        PREFIX + "external_prefix_cache_hits",
+        "Prompt tokens loaded from the KV tier.",
+        value=stats.external_prefix_cache_hits,
+    )
+    counters = {
+        "kv_tier_stores": ("KV blocks written to the tier.", tier.stores),
+        "kv_tier_loads": ("KV blocks loaded from the tier.", tier.loads),
+        "kv_tier_drops": (
+            "Tier blocks found damaged, truncated or foreign, deleted and computed again.",
+            tier.drops,
+        ),
+    }
+    for name, (documentation, value) in counters.items():
+        counter = CounterMetricFamily(PREFIX + name, documentation, labels=["medium"])
+        counter.add_metric([tier.medium], value)
+        yield counter
+    for name, (documentation, value) in {
+        "kv_tier_used_bytes": ("Bytes the KV tier's blocks take.", tier.bytes_used),
+        "kv_tier_capacity_bytes": ("The KV tier's budget in bytes.", tier.capacity),
+        "kv_tier_blocks": ("KV blocks the tier holds.", tier.num_blocks),
+    }.items():
+        gauge = GaugeMetricFamily(PREFIX + name, documentation, labels=["medium"])
+        gauge.add_metric([tier.medium], value)
+        yield gauge
+    yield _load_seconds(tier.load_count, tier.load_seconds, tier.medium)
+
+
+def _load_seconds(count: int, total: float, medium: str) -> Metric:
+    family = SummaryMetricFamily(
+        PREFIX + "kv_tier_load_seconds",
+        "Time from a tier load's start to its blocks being read and checked.",
+        labels=["medium"],
+    )
+    family.add_metric([medium], count_value=count, sum_value=total)
+    return family
 
 
 def _speculation_counters(stats: SpeculationStats) -> Iterator[Metric]:

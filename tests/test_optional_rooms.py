@@ -3,8 +3,9 @@ imports, serves greedy tokens equal to the full tree's, and its app answers a ch
 for what a missing room gives fails with one line naming the setting or field.
 
 The rooms here: the compiled step paths (`engine/compiled/`), the linears
-(`engine/linears/`), the grammar (`engine/grammar/`), the dashboard (`server/dashboard/`)
-and tool calling (`server/tools/`), which the core reaches only through
+(`engine/linears/`), the grammar (`engine/grammar/`), the KV tiers (`engine/kv_tiers/`)
+and KV events (`engine/kv_events/`), the dashboard (`server/dashboard/`) and tool calling
+(`server/tools/`), which the core reaches only through
 `engine.capabilities` and `server.capabilities`. The attention kernels, reached through the
 backend registry, have their own such test (`tests/engine/test_attention_backend.py`).
 And with every room in place, requests that do not use tools do not import the tools room.
@@ -23,6 +24,8 @@ ROOMS = (
     "engine/compiled",
     "engine/linears",
     "engine/grammar",
+    "engine/kv_tiers",
+    "engine/kv_events",
     "server/dashboard",
     "server/tools",
 )
@@ -47,7 +50,11 @@ llm = LLM(model, enforce_eager=True, quantization="none", **settings)
 greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 tokens = llm.generate([sys.argv[2]], greedy, use_tqdm=False)[0].outputs[0].token_ids
 refusals = {}
-for setting, value in (("enforce_eager", False), ("quantization", "int8")):
+events = {"enable_kv_cache_events": True, "endpoint": "tcp://127.0.0.1:*"}
+for setting, value in (
+    ("enforce_eager", False), ("quantization", "int8"), ("kv_disk_size", "1GiB"),
+    ("kv_events_config", events),
+):
     with pytest.raises(ConfigError) as caught:
         LLM(model, **{"enforce_eager": True, "quantization": "none", setting: value}, **settings)
     refusals[setting] = str(caught.value)
@@ -125,6 +132,8 @@ def test_the_core_serves_with_every_optional_room_removed(tiny_model_paths, tmp_
     assert "engine.compiled cannot be imported here" in refusals["enforce_eager"]
     assert refusals["quantization"].startswith("quantization 'int8' cannot run in this engine")
     assert "engine.linears cannot be imported here" in refusals["quantization"]
+    assert refusals["kv_disk_size"].startswith("kv_disk_size: engine.kv_tiers cannot be")
+    assert refusals["kv_events_config"].startswith("kv_events_config: engine.kv_events cannot")
     assert refusals["structured_outputs"].startswith("structured_outputs: this engine has no")
     assert "\n" not in "".join(refusals.values())
     assert (got["chat"], got["finish"], got["dashboard"]) == (200, "length", 404)

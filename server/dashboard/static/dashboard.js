@@ -98,6 +98,7 @@
   const percent = (ratio) => (ratio === null ? "–" : (100 * ratio).toFixed(1) + " %");
   const seconds = (value) =>
     value < 1 ? (1000 * value).toFixed(0) + " ms" : value.toFixed(value < 10 ? 2 : 1) + " s";
+  const mebibytes = (bytes) => (bytes / 1048576).toFixed(0) + " MiB";
   const count = (value) => (Number.isInteger(value) ? String(value) : value.toFixed(1));
 
   function renderTotals(state) {
@@ -111,6 +112,14 @@
     $("ttft").textContent = ttft ? seconds(ttft.time_to_first_token) : "–";
     $("kv-usage").textContent = percent(totals.kv_usage);
     $("hit-rate").textContent = percent(state.prefix_cache_hit_rate);
+    const tier = totals.tier;
+    $("tier-tile").hidden = !tier;
+    if (tier) {
+      $("tier-medium").textContent = tier.medium;
+      $("tier").textContent =
+        percent(tier.bytes_used / tier.capacity) + " of " + mebibytes(tier.capacity) +
+        ", " + totals.external_prefix_cache_hits;
+    }
     const accepted = state.acceptance_length;
     $("acceptance").textContent = accepted === null ? "–" : accepted.toFixed(2);
   }

@@ -1,0 +1,26 @@
+"""What the scheduler asks of a KV tier below the KV tensor (the disk tier, host RAM):
+whether it holds the blocks a prefix lookup did not find in memory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class PrefixTier(Protocol):
+    def lookup(self, block_hashes: Sequence[int]) -> int:
+        """How many of `block_hashes`, from the first on, the tier holds. A guess that a
+        load confirms: a block found damaged or gone then is computed instead."""
+        ...
+
+
+@dataclass(slots=True, frozen=True)
+class RegisteredBlock:
+    """A block the prefix cache registered: `block_id` holds the KV of `token_ids`
+    following the prefix `parent_hash` names (None: the sequence's start)."""
+
+    block_id: int
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
