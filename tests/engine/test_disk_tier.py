@@ -169,11 +169,12 @@ def test_a_writer_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> Non
     """A process killed with SIGKILL while it writes block files: what it leaves is either
     a whole file or a temporary one, which no reader trusts and a later start deletes."""
     script = textwrap.dedent(f"""
-        import torch, sys
+        import sys
+        from pathlib import Path
         sys.path.insert(0, {str(Path.cwd())!r})
         from tests.engine.test_disk_tier import registered, kv_cache, KEY, BLOCK
         from engine.kv_tiers.disk_tier import DiskTier
-        tier = DiskTier(kv_cache(0), 1 << 30, __import__("pathlib").Path({str(tmp_path)!r}), KEY, BLOCK)
+        tier = DiskTier(kv_cache(0), 1 << 30, Path({str(tmp_path)!r}), KEY, BLOCK)
         print("ready", flush=True)
         n = 0
         while True:
