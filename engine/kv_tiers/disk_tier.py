@@ -65,6 +65,8 @@ STALE_SECONDS = 600.0
 MAX_QUEUED_BYTES = 512 << 20
 # Eviction deletes down to this share of the budget.
 LOW_WATER = 0.9
+# The writer rescans the folder after a write at least this often (others' files count).
+RESCAN_SECONDS = 1.0
 # The writer's nice value: it takes idle CPU, not the engine's.
 WRITER_NICE = 10
 
@@ -257,7 +259,7 @@ class DiskTier:
                 self._stores += len(written)
                 self._events += stored_events(written, self.block_size, self.medium)
                 over = len(self._index) > self._max_files
-            if over:
+            if over or time.monotonic() - self._scanned_at > RESCAN_SECONDS:
                 self._evict()
 
     def _write(self, block: RegisteredBlock, kv: torch.Tensor) -> None:
@@ -274,10 +276,12 @@ class DiskTier:
             temporary.unlink(missing_ok=True)
 
     def _evict(self) -> None:
-        """Rescan the folder (other servers' files count against the budget too), then
-        delete the least recently used files down to `LOW_WATER` of it."""
+        """Rescan the folder (other servers' files count against the budget too), then, if
+        it is over budget, delete the least recently used files down to `LOW_WATER` of it."""
         self._scan()
         with self._lock:
+            if len(self._index) <= self._max_files:
+                return
             excess = len(self._index) - int(self._max_files * LOW_WATER)
             victims = [self._index.popitem(last=False)[0] for _ in range(max(excess, 0))]
             if victims:
@@ -303,6 +307,7 @@ class DiskTier:
         found.sort()
         with self._lock:
             self._index = OrderedDict((block_hash, None) for _, block_hash in found)
+        self._scanned_at = time.monotonic()
 
     # -- the loader's thread --------------------------------------------------------
 

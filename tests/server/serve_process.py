@@ -26,16 +26,20 @@ def serve_process(
     module: str = "pagedserve",
     env: Mapping[str, str] | None = None,
     timeout: float = 300,
+    started: list[subprocess.Popen] | None = None,
 ) -> Iterator[str]:
     """Run `python -m <module> serve <args> --port <a free one>` from the repository root,
     its output in `log` (None: nowhere); yield its URL once `/health` answers 200 (a
-    failure to start shows the log's tail), and terminate it at exit."""
+    failure to start shows the log's tail), and terminate it at exit. The process is
+    appended to `started`, for a test that signals it itself."""
     port = free_port()
     command = [sys.executable, "-m", module, "serve", *args, "--port", str(port)]
     with log.open("wb") if log is not None else open(os.devnull, "wb") as sink:
         process = subprocess.Popen(
             command, cwd=ROOT, env=None if env is None else dict(env), stdout=sink, stderr=sink
         )
+    if started is not None:
+        started.append(process)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + timeout
