@@ -9,8 +9,9 @@ setting asks for it:
 - `engine.grammar`: structured outputs and tool-call grammars through llguidance, asked
   for by a request's `structured_outputs` (`grammar_compiler`);
 - `engine.kv_tiers`: the disk tier under the prefix cache, chosen by `kv_disk_size`
-  (`kv_tier`); `engine.kv_events`: KV-cache events over ZMQ, chosen by
-  `kv_events_config` (`kv_event_publisher`);
+  (`kv_tier`), or host RAM beside a GPU, by `kv_offloading_size` (`host_kv_tier`);
+- `engine.kv_events`: KV-cache events over ZMQ, chosen by `kv_events_config`
+  (`kv_event_publisher`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
   door: the backend registry, `engine.model.attention_backend`.
 
@@ -159,6 +160,19 @@ def kv_tier(
         return DiskTier(kv_cache, capacity, root, key, block_size)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"kv_disk_size: the disk tier at {root} cannot serve: {exc}") from None
+
+
+def host_kv_tier(kv_cache: torch.Tensor, capacity: int, block_size: int) -> KVTier:
+    """A pool of `capacity` bytes of pinned host memory beside a GPU's KV tensor; fails
+    with one line naming `kv_offloading_size`."""
+    try:
+        from engine.kv_tiers.host_tier import HostTier
+    except ImportError as exc:
+        raise ConfigError(f"kv_offloading_size: {missing('engine.kv_tiers', exc)}") from None
+    try:
+        return HostTier(kv_cache, capacity, block_size)
+    except (RuntimeError, ValueError) as exc:
+        raise ConfigError(f"kv_offloading_size: {exc}") from None
 
 
 class EventPublisher(Protocol):

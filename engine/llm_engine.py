@@ -342,22 +342,34 @@ class LLMEngine:
             self.compiled = False
 
     def _kv_tier(self, config: EngineConfig, source: str, kv_cache: torch.Tensor) -> KVTier | None:
-        """The disk tier `kv_disk_size` asks for, keyed by everything that changes a block's
-        bits here, and logged; None when it is 0 (or prefix caching, above it, is off)."""
+        """The KV tier the settings ask for, logged: host RAM beside a GPU
+        (`kv_offloading_size`, refused on the CPU), or the disk tier (`kv_disk_size`),
+        keyed by everything that changes a block's bits here; None when both are 0 (or
+        prefix caching, above either, is off)."""
         if config.kv_offloading_size:
-            raise ConfigError(
-                "kv_offloading_size is host RAM for a GPU's KV blocks; "
-                + (
-                    "on the CPU the KV cache is in RAM already: raise kv_cache_memory instead"
-                    if self.device.type != "cuda"
-                    else "this version does not offload GPU blocks to it: use kv_disk_size"
+            if self.device.type != "cuda":
+                raise ConfigError(
+                    "kv_offloading_size is host RAM for a GPU's KV blocks; on the CPU the KV "
+                    "cache is in RAM already: raise kv_cache_memory instead"
                 )
-            )
-        if not config.kv_disk_size:
+            if config.kv_disk_size:
+                raise ConfigError(
+                    "kv_offloading_size and kv_disk_size: this version runs one KV tier at a "
+                    "time; set one of them to 0"
+                )
+        if not (config.kv_disk_size or config.kv_offloading_size):
             return None
         if not config.enable_prefix_caching:
-            logger.warning("KV disk tier off: it sits under the prefix cache, which is off")
+            logger.warning("KV tier off: it sits under the prefix cache, which is off")
             return None
+        if config.kv_offloading_size:
+            tier = capabilities.host_kv_tier(
+                kv_cache, int(config.kv_offloading_size), self.block_size
+            )
+            logger.info(
+                "KV host tier: %.1f MiB of pinned host memory", tier.stats().capacity / 2**20
+            )
+            return tier
         root = Path(config.kv_disk_path) if config.kv_disk_path else cache_root() / "kv"
         settings = {
             "quantization": self.quantization, "dtype": str(self.dtype),
