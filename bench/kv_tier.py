@@ -10,8 +10,8 @@ streamed greedy completions (max_tokens 16), each a system prompt and a distinct
 turn, sent at `--concurrency` round-robin over the prompts in one seeded order, the same for
 both runs. Together the prompts exceed the RAM KV cache (4 x 1,500 tokens against the ~2,900
 of 128 MiB in fp32), so each is pushed out of RAM before it comes round again. After half the
-requests the server is stopped (SIGTERM) and started again with the same flags and folder.
-After each start one short untimed request warms it up.
+requests the server is stopped (Ctrl-C: a graceful shutdown) and started again with the same
+flags and folder. After each start one short untimed request warms it up.
 
 One row per run: TTFT (time to the first streamed text) p50, p95 and mean in ms; prompt
 tokens computed (prompt_tokens - cached_tokens, summed) and cached (the usage's
@@ -29,7 +29,6 @@ import asyncio
 import json
 import random
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -43,6 +42,7 @@ import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.run_all import stop_server
 from bench.serve import WORDS
 from bench.tables import format_table, free_port
 
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 SUFFIX_WORDS = 20
 MAX_TOKENS = 16
 TIER_HITS = "vllm:external_prefix_cache_hits_total"
-READY_TIMEOUT, STOP_TIMEOUT = 600.0, 60.0
+READY_TIMEOUT = 600.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,17 +175,6 @@ def start_server(command: Sequence[str], url: str, log: Path) -> subprocess.Pope
             tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
             raise SystemExit(f"bench.kv_tier: the server did not become healthy:\n{tail}")
         time.sleep(0.5)
-
-
-def stop_server(server: subprocess.Popen[bytes]) -> None:
-    """SIGTERM (a graceful shutdown), then a kill if that takes too long."""
-    if server.poll() is None:
-        server.send_signal(signal.SIGTERM)
-        try:
-            server.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
 
 
 def tier_hits(url: str) -> int:
