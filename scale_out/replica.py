@@ -11,16 +11,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import importlib.util
 import logging
+import socket
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import ray
 from ray import serve
 from starlette.types import Message
 
 from scale_out.forwarding import ForwardedRequest, call_app
-from scale_out.router import NUM_KV_BLOCKS
+from scale_out.router import KV_EVENTS_ENDPOINT, NUM_KV_BLOCKS
 from server.app import build_app
 from server.config import LOG_FORMAT, ServeConfig
 from server.state import ServerState
@@ -51,6 +54,7 @@ class EngineReplica:
         failed load fails the replica (Ray Serve reports the deployment unhealthy)."""
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
         self.replica_id = serve.get_replica_context().replica_tag
+        config, self._events_endpoint = _with_kv_events(config)
         self._app = build_app(config)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
@@ -90,9 +94,29 @@ class EngineReplica:
             raise RuntimeError("the engine loop has stopped")
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """What the router reads about this replica: the capacity of its KV cache."""
-        return {NUM_KV_BLOCKS: self._llm.num_kv_blocks}
+        """What the router reads about this replica: the capacity of its KV cache, and
+        where it publishes its KV events (None: it does not)."""
+        return {NUM_KV_BLOCKS: self._llm.num_kv_blocks, KV_EVENTS_ENDPOINT: self._events_endpoint}
 
     async def __del__(self) -> None:
         # Ray Serve's graceful stop: the lifespan's exit stops the engine thread.
         await self._lifespan.aclose()
+
+
+def _with_kv_events(config: ServeConfig) -> tuple[ServeConfig, str | None]:
+    """`config` publishing KV events for the router, and the endpoint the router connects
+    to: the user's `kv_events_config` where it enables them, else one on a free port of
+    this node. None (and no events) where pyzmq or msgpack is not installed."""
+    events = config.kv_events_config
+    if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
+        endpoint = events.endpoint
+    elif any(importlib.util.find_spec(name) is None for name in ("zmq", "msgpack")):
+        return config, None
+    else:
+        with socket.socket() as probe:
+            probe.bind(("", 0))
+            port = probe.getsockname()[1]
+        endpoint = f"tcp://*:{port}"
+        settings = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        config = ServeConfig.model_validate({**config.model_dump(), "kv_events_config": settings})
+    return config, endpoint.replace("*", ray.util.get_node_ip_address(), 1)

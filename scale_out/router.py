@@ -7,7 +7,9 @@ arguments, a `ForwardedRequest` whose block hashes the ingress computed, and hea
 replica accepted it (`on_request_routed`), which is when the prediction is updated. The
 replicas' queue lengths come from Ray's queue-length cache (kept by this handle's own
 sends and completions, probed when stale). Each replica reports its number of KV blocks
-as routing stats (`EngineReplica.record_routing_stats`), which bounds its prediction.
+as routing stats (`EngineReplica.record_routing_stats`), which bounds its prediction, and
+where it publishes its KV events: a replica's match is the longer of what was routed to it
+(`PrefixIndex`) and what its events say its KV tensor and disk tier hold (`EventIndex`).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
+from scale_out.event_index import EventIndex
 from scale_out.forwarding import ForwardedRequest
 from scale_out.policy import preferred_replicas
 from scale_out.prefix_index import PrefixIndex
@@ -23,8 +26,10 @@ from scale_out.prefix_index import PrefixIndex
 if TYPE_CHECKING:
     from ray.serve.request_router import ReplicaResult
 
-# The routing-stats key under which a replica reports its number of KV-cache blocks.
+# The routing-stats keys under which a replica reports its number of KV-cache blocks and
+# where it publishes its KV events.
 NUM_KV_BLOCKS = "num_kv_blocks"
+KV_EVENTS_ENDPOINT = "kv_events_endpoint"
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -43,6 +48,7 @@ class PrefixAwareRouter(RequestRouter):
         on a CPU a cache miss of a long prompt costs seconds of prefill, more than waiting
         behind that many requests' decode steps."""
         self._index = PrefixIndex()
+        self._events: EventIndex | None = None
         self._imbalance_threshold = imbalance_threshold
         self._min_match_ratio = min_match_ratio
 
@@ -56,10 +62,11 @@ class PrefixAwareRouter(RequestRouter):
             return [candidate_replicas]
         loads = await self._queue_lengths(candidate_replicas)
         ids = {replica.replica_id: replica for replica in candidate_replicas}
+        events = {r: self._events_of(ids[r]) for r in loads}
         first = preferred_replicas(
             loads,
-            {r: self._index.matched_blocks(r, hashes) for r in loads},
-            {r: self._index.size(r) for r in loads},
+            {r: self._matched_blocks(r, hashes, events[r]) for r in loads},
+            {r: (events[r] or self._index).size(r) for r in loads},
             len(hashes),
             imbalance_threshold=self._imbalance_threshold,
             min_match_ratio=self._min_match_ratio,
@@ -78,13 +85,39 @@ class PrefixAwareRouter(RequestRouter):
             stats: dict[str, Any] = (replica.routing_stats if replica else None) or {}
             self._index.record(replica_id, hashes, stats.get(NUM_KV_BLOCKS))
 
+    def _events_of(self, replica: RunningReplica) -> EventIndex | None:
+        """The index of the replica's own events where it publishes them (followed from the
+        first time its routing stats say where), else None."""
+        endpoint = (replica.routing_stats or {}).get(KV_EVENTS_ENDPOINT)
+        if endpoint is None:
+            return None
+        if self._events is None:
+            self._events = EventIndex()
+        self._events.follow(replica.replica_id, endpoint)
+        return self._events
+
+    def _matched_blocks(
+        self, replica: ReplicaID, hashes: tuple[int, ...], events: EventIndex | None
+    ) -> int:
+        """The longer of two matches: what was routed to the replica (current the moment a
+        request is routed, before the replica has computed, let alone announced, its
+        blocks) and what its events say it holds (its disk tier and other routers'
+        traffic included, which the routed prediction cannot see)."""
+        routed = self._index.matched_blocks(replica, hashes)
+        return routed if events is None else max(routed, events.matched_blocks(replica, hashes))
+
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._index.retain(self.curr_replicas)
+        self._retain()
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
+        self._retain()
+
+    def _retain(self) -> None:
         self._index.retain(self.curr_replicas)
+        if self._events is not None:
+            self._events.retain(self.curr_replicas)
 
     async def _queue_lengths(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
         """Each replica's ongoing requests, from the cache or a probe; a replica that does

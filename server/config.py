@@ -23,6 +23,7 @@ DEFAULT_PRESET: dict[str, Any] = {
     "device": "cpu",
     "max_model_len": 4096,
     "kv_cache_memory": "2GiB",
+    "kv_disk_size": "2GiB",
     "speculative_config": {
         "method": "ngram",
         "num_speculative_tokens": 7,

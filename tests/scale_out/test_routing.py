@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +170,44 @@ def test_merged_metrics_label_each_replicas_samples() -> None:
     running = ("vllm:num_requests_running", (("model_name", "tiny"), ("replica", "r2")))
     assert samples[running] == 5
     assert merged.count("# TYPE pagedserve_prompt_tokens_total counter") == 1
+
+
+def test_the_event_index_follows_a_replica_s_own_events() -> None:
+    """What a replica publishes (its KV tensor's and its disk tier's blocks) is what the
+    router predicts for it: a block evicted from RAM still matches while the disk holds it."""
+    pytest.importorskip("zmq")
+    from cache import AllBlocksCleared, BlockRemoved, BlockStored
+    from engine.kv_events.zmq_publisher import ZmqEventPublisher
+    from engine.kv_events_config import KVEventsConfig
+    from scale_out.event_index import EventIndex
+    from tests.server.test_kv_events_server import free_endpoint
+
+    endpoint = free_endpoint()
+    publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+    index = EventIndex()
+    index.follow("a", endpoint)
+    tokens = list(range(4 * BLOCK))
+    hashes = chain(tokens)
+
+    def settle(expected: int, events: list) -> None:
+        """Publish `events` until the index shows them (again and again at first: ZMQ's
+        slow joiner drops what is sent before the subscription reaches the publisher)."""
+        for _ in range(100):
+            publisher.publish(events)
+            time.sleep(0.05)
+            if index.matched_blocks("a", hashes) == expected:
+                return
+        raise AssertionError(f"matched {index.matched_blocks('a', hashes)}, not {expected}")
+
+    def stored(medium: str) -> BlockStored:
+        return BlockStored(tuple(hashes), None, tuple(tokens), BLOCK, medium)
+
+    settle(4, [stored("CPU")])
+    settle(4, [stored("DISK"), BlockRemoved(tuple(hashes[1:]), "CPU")])  # on disk still
+    settle(2, [BlockRemoved(tuple(hashes[2:]), "DISK")])
+    assert index.size("a") == 2 and index.matched_blocks("b", hashes) == 0
+    settle(0, [AllBlocksCleared("CPU")])
+    index.retain(["b"])
+    assert not index.follows("a")
+    index.close()
+    publisher.close()
