@@ -139,7 +139,8 @@ class DiskTier:
         self._writing: set[int] = set()
         self._queued_bytes = 0
         self._events: list[KVEvent] = []
-        self._stores = self._loads = self._drops = self._load_count = self._skipped = 0
+        self._stores = self._loads = self._drops = self._load_count = 0
+        self._behind = False  # the writer fell behind: logged once
         self._load_seconds = 0.0
         self._pending = 0
         self._scan()
@@ -176,8 +177,16 @@ class DiskTier:
                 if block.block_hash not in self._index and block.block_hash not in self._writing
             ]
             size = len(todo) * self._copier.block_bytes
-            if not todo or self._queued_bytes + size > MAX_QUEUED_BYTES:
-                self._skipped += len(todo)
+            if not todo:
+                return
+            if self._queued_bytes + size > MAX_QUEUED_BYTES:
+                if not self._behind:
+                    self._behind = True
+                    logger.warning(
+                        "KV disk tier: the disk is slower than the KV computed; blocks are "
+                        "left out while %d MiB wait to be written",
+                        MAX_QUEUED_BYTES >> 20,
+                    )
                 return
             self._writing.update(block.block_hash for block in todo)
             self._queued_bytes += size
