@@ -65,9 +65,11 @@ def slow_engine(config: EngineConfig) -> AsyncLLM:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
+def server(
+    tiny_model_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
     """A server with an API key, 256 KV blocks and room for MAX_NUM_SEQS running sequences,
-    scheduling by priority."""
+    scheduling by priority, and a disk tier."""
     config = tiny_config(
         tiny_model_paths["llama"],
         served_model_name="tiny",
@@ -77,6 +79,8 @@ def server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
         scheduling_policy="priority",
         # 4 sequences of 1,024 tokens could use all 256 blocks: none are left out.
         max_model_len=1024,
+        kv_disk_size="16MiB",
+        kv_disk_path=str(tmp_path_factory.mktemp("kv")),
     )
     with live_server(config, llm_factory=slow_engine) as url:
         yield url
@@ -404,6 +408,9 @@ def test_the_page_shows_live_blocks_and_requests_in_chromium(
                 && [...document.querySelectorAll("#sequences [data-field=generated]")]
                      .some((cell) => Number(cell.textContent) > 0)""",
         )
+        assert page.is_visible("#tier-tile")
+        assert page.text_content("#tier-medium") == "DISK"
+        assert " of 16 MiB, " in page.text_content("#tier")
         assert page.evaluate(_PIXELS_OF_STATE, "used") > 0
         assert page.evaluate(_PIXELS_OF_STATE, "shared") > 0
         before = page.evaluate(_GENERATED_BY_ROW)
