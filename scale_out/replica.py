@@ -23,7 +23,7 @@ from ray import serve
 from starlette.types import Message
 
 from scale_out.forwarding import ForwardedRequest, call_app
-from scale_out.router import KV_EVENTS_ENDPOINT, NUM_KV_BLOCKS
+from scale_out.router import KV_EVENTS_ENDPOINT, KV_EVENTS_REPLAY, NUM_KV_BLOCKS
 from server.app import build_app
 from server.config import LOG_FORMAT, ServeConfig
 from server.state import ServerState
@@ -54,7 +54,7 @@ class EngineReplica:
         failed load fails the replica (Ray Serve reports the deployment unhealthy)."""
         logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
         self.replica_id = serve.get_replica_context().replica_tag
-        config, self._events_endpoint = _with_kv_events(config)
+        config, self._events_endpoints = _with_kv_events(config)
         self._app = build_app(config)
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
@@ -95,28 +95,38 @@ class EngineReplica:
 
     def record_routing_stats(self) -> dict[str, Any]:
         """What the router reads about this replica: the capacity of its KV cache, and
-        where it publishes its KV events (None: it does not)."""
-        return {NUM_KV_BLOCKS: self._llm.num_kv_blocks, KV_EVENTS_ENDPOINT: self._events_endpoint}
+        where it publishes and replays its KV events (None: it does not)."""
+        endpoint, replay = self._events_endpoints
+        return {
+            NUM_KV_BLOCKS: self._llm.num_kv_blocks,
+            KV_EVENTS_ENDPOINT: endpoint,
+            KV_EVENTS_REPLAY: replay,
+        }
 
     async def __del__(self) -> None:
         # Ray Serve's graceful stop: the lifespan's exit stops the engine thread.
         await self._lifespan.aclose()
 
 
-def _with_kv_events(config: ServeConfig) -> tuple[ServeConfig, str | None]:
-    """`config` publishing KV events for the router, and the endpoint the router connects
-    to: the user's `kv_events_config` where it enables them, else one on a free port of
-    this node. None (and no events) where pyzmq or msgpack is not installed."""
+def _with_kv_events(config: ServeConfig) -> tuple[ServeConfig, tuple[str | None, str | None]]:
+    """`config` publishing KV events for the router, and the endpoints the router connects
+    to (events, replay): the user's `kv_events_config` where it enables them, else two free
+    ports of this node. None (and no events) where pyzmq or msgpack is not installed."""
     events = config.kv_events_config
     if events is not None and events.enable_kv_cache_events and events.publisher == "zmq":
-        endpoint = events.endpoint
+        endpoint, replay = events.endpoint, events.replay_endpoint
     elif any(importlib.util.find_spec(name) is None for name in ("zmq", "msgpack")):
-        return config, None
+        return config, (None, None)
     else:
-        with socket.socket() as probe:
-            probe.bind(("", 0))
-            port = probe.getsockname()[1]
-        endpoint = f"tcp://*:{port}"
-        settings = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
+        endpoint, replay = f"tcp://*:{_free_port()}", f"tcp://*:{_free_port()}"
+        settings = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint,
+                    "replay_endpoint": replay}  # fmt: skip
         config = ServeConfig.model_validate({**config.model_dump(), "kv_events_config": settings})
-    return config, endpoint.replace("*", ray.util.get_node_ip_address(), 1)
+    node = ray.util.get_node_ip_address()
+    return config, (endpoint.replace("*", node, 1), replay and replay.replace("*", node, 1))
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return int(probe.getsockname()[1])

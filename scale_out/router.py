@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 # where it publishes its KV events.
 NUM_KV_BLOCKS = "num_kv_blocks"
 KV_EVENTS_ENDPOINT = "kv_events_endpoint"
+KV_EVENTS_REPLAY = "kv_events_replay_endpoint"
 
 
 class PrefixAwareRouter(RequestRouter):
@@ -88,12 +89,13 @@ class PrefixAwareRouter(RequestRouter):
     def _events_of(self, replica: RunningReplica) -> EventIndex | None:
         """The index of the replica's own events where it publishes them (followed from the
         first time its routing stats say where), else None."""
-        endpoint = (replica.routing_stats or {}).get(KV_EVENTS_ENDPOINT)
+        stats = replica.routing_stats or {}
+        endpoint = stats.get(KV_EVENTS_ENDPOINT)
         if endpoint is None:
             return None
         if self._events is None:
             self._events = EventIndex()
-        self._events.follow(replica.replica_id, endpoint)
+        self._events.follow(replica.replica_id, endpoint, stats.get(KV_EVENTS_REPLAY))
         return self._events
 
     def _matched_blocks(

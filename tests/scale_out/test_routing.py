@@ -211,3 +211,29 @@ def test_the_event_index_follows_a_replica_s_own_events() -> None:
     assert not index.follows("a")
     index.close()
     publisher.close()
+
+
+def test_a_router_that_follows_late_replays_what_it_missed() -> None:
+    pytest.importorskip("zmq")
+    from cache import BlockStored
+    from engine.kv_events.zmq_publisher import ZmqEventPublisher
+    from engine.kv_events_config import KVEventsConfig
+    from scale_out.event_index import EventIndex
+    from tests.server.test_kv_events_server import free_endpoint
+
+    endpoint, replay = free_endpoint(), free_endpoint()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay)
+    publisher = ZmqEventPublisher(config)
+    tokens = list(range(3 * BLOCK))
+    hashes = chain(tokens)
+    publisher.publish([BlockStored(tuple(hashes), None, tuple(tokens), BLOCK, "DISK")])
+    time.sleep(0.2)  # sent and buffered before anyone subscribed
+    index = EventIndex()
+    index.follow("a", endpoint, replay)
+    for _ in range(100):
+        if index.matched_blocks("a", hashes) == 3:
+            break
+        time.sleep(0.05)
+    assert index.matched_blocks("a", hashes) == 3
+    index.close()
+    publisher.close()
