@@ -494,6 +494,11 @@ class LLMEngine:
         A failure in the model or sampler fails the requests of this batch (finish reason
         "error") and leaves the engine serving; their cached block hashes are dropped,
         since their K/V may not have been written.
+
+        With a KV tier, each step first copies in the tier's finished loads (their
+        sequences run from this step on), hands it the blocks registered up to the sampled
+        batch (their K/V is written) and starts the loads the schedule asks for; a step
+        with nothing to run waits briefly for a load rather than spin.
         """
         touched: dict[str, RequestState] = {}
         if self.tier is not None:
