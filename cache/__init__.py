@@ -22,7 +22,7 @@ from cache.profiling import (
     profile_num_blocks,
 )
 from cache.stats import CacheStats
-from cache.tier import PrefixTier, RegisteredBlock
+from cache.tier import PrefixTier, RegisteredBlock, held_prefix
 
 __all__ = [
     "MEDIUM_CPU",
@@ -45,6 +45,7 @@ __all__ = [
     "cdiv",
     "extend_block_hashes",
     "hash_block",
+    "held_prefix",
     "kv_cache_bytes_cpu",
     "kv_cache_bytes_cuda",
     "num_kv_blocks",

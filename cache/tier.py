@@ -3,7 +3,7 @@ whether it holds the blocks a prefix lookup did not find in memory."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,3 +24,14 @@ class RegisteredBlock:
     block_hash: int
     parent_hash: int | None
     token_ids: tuple[int, ...]
+
+
+def held_prefix(block_hashes: Sequence[int], held: Container[int]) -> int:
+    """How many of the chained `block_hashes`, from the first on, are in `held` (a chained
+    hash stands for its whole prefix, so the first miss ends the run)."""
+    count = 0
+    for block_hash in block_hashes:
+        if block_hash not in held:
+            break
+        count += 1
+    return count

@@ -230,9 +230,9 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"not a JSON object: {exc}") from None
         return value
 
-    @field_validator("speculative_config", mode="before")
+    @field_validator("speculative_config", "kv_events_config", mode="before")
     @classmethod
-    def _speculative_from_json(cls, value: object) -> object:
+    def _object_from_json(cls, value: object) -> object:
         # The command line and the environment give a JSON object as text; {} means off.
         if isinstance(value, str):
             try:
@@ -240,16 +240,6 @@ class EngineConfig(BaseModel):
             except json.JSONDecodeError as exc:
                 raise ValueError(f"not a JSON object: {exc}") from None
         return None if value == {} else value
-
-    @field_validator("kv_events_config", mode="before")
-    @classmethod
-    def _kv_events_from_json(cls, value: object) -> object:
-        if isinstance(value, str):
-            try:
-                return json.loads(value) if value.strip() else None
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not a JSON object: {exc}") from None
-        return value
 
     @field_validator("override_generation_config")
     @classmethod

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Hashable, Iterable, Sequence
 
+from cache import held_prefix
+
 
 class PrefixIndex:
     """Per replica, the block hashes it is predicted to hold, least recently used first.
@@ -32,15 +34,7 @@ class PrefixIndex:
         """How many leading blocks of a prompt with these chained `hashes` the replica
         is predicted to hold (a chained hash stands for its whole prefix, so the first
         miss ends the match, as in the block manager's lookup)."""
-        blocks = self._blocks.get(replica)
-        if not blocks:
-            return 0
-        matched = 0
-        for block_hash in hashes:
-            if block_hash not in blocks:
-                break
-            matched += 1
-        return matched
+        return held_prefix(hashes, self._blocks.get(replica, {}))
 
     def record(self, replica: Hashable, hashes: Sequence[int], capacity: int | None) -> None:
         """The replica now holds these blocks, most recently used; keep at most `capacity`

@@ -2,6 +2,7 @@
 
 from scheduler.scheduler import SCHEDULING_POLICIES, Scheduler, SchedulingPolicy
 from scheduler.sequence import (
+    ExpectedBlock,
     FinishReason,
     ScheduledSequence,
     SchedulerOutput,
@@ -12,6 +13,7 @@ from scheduler.sequence import (
 
 __all__ = [
     "SCHEDULING_POLICIES",
+    "ExpectedBlock",
     "FinishReason",
     "ScheduledSequence",
     "Scheduler",

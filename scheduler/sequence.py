@@ -174,6 +174,28 @@ class TierLoad:
         """Whether the sequence still waits for this load (its blocks are still its own)."""
         return self.seq.status is SequenceStatus.LOADING and self.seq.num_preemptions == self.epoch
 
+    def expected_blocks(self, block_size: int) -> list[ExpectedBlock]:
+        """What each block of the load must hold: its hash, its parent's, its tokens (a
+        tier checks a copy against these before it serves it)."""
+        seq, first = self.seq, self.first_block
+        parent = seq.block_hashes[first - 1] if first else None
+        expected = []
+        for index, block_hash in enumerate(self.block_hashes):
+            start = (first + index) * block_size
+            tokens = tuple(seq.get_token_ids(start, start + block_size))
+            expected.append(ExpectedBlock(block_hash, parent, tokens))
+            parent = block_hash
+        return expected
+
+
+@dataclass(slots=True, frozen=True)
+class ExpectedBlock:
+    """A block a tier load must find: `token_ids` after the prefix `parent_hash` names."""
+
+    block_hash: int
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
 
 @dataclass(slots=True)
 class SchedulerOutput:

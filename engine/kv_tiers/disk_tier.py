@@ -52,12 +52,14 @@ from engine.kv_tiers.block_file import (
     file_size,
     read_into,
 )
-from scheduler import TierLoad
+from engine.model.gguf import file_key
+from engine.model.kernels.cpp_extension import cpu_flags
+from scheduler import ExpectedBlock, TierLoad
 
 logger = logging.getLogger(__name__)
 
-# A load for the loader: its blocks' tokens and parents' hashes, and when it started.
-_Read = tuple[TierLoad, list[tuple[int, ...]], list[int | None], float]
+# A load for the loader: what each of its blocks must hold, and when it started.
+_Read = tuple[TierLoad, list[ExpectedBlock], float]
 
 # A temporary file older than this was left by a killed writer: a start deletes it.
 STALE_SECONDS = 600.0
@@ -72,16 +74,12 @@ WRITER_NICE = 10
 
 
 def model_files(source: Path) -> str:
-    """The identity of a model's files: each one's path, size and modification time (a
-    hub id that is no local path stands for itself)."""
+    """The identity of a model's files: each one's `file_key` (path, size, modification
+    time); a hub id that is no local path stands for itself."""
     if not source.exists():
         return str(source)
     paths = sorted(p for p in source.iterdir() if p.is_file()) if source.is_dir() else [source]
-    parts = []
-    for path in paths:
-        stat = path.stat()
-        parts.append(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}")
-    return "|".join(parts)
+    return "|".join(file_key(path) for path in paths)
 
 
 def tier_key(settings: Mapping[str, str], source: Path) -> str:
@@ -91,20 +89,12 @@ def tier_key(settings: Mapping[str, str], source: Path) -> str:
     parts = dict(settings)
     parts.update(
         model_files=model_files(source), format=str(FORMAT), torch=torch.__version__,
-        transformers=transformers.__version__, python=sys.version, cpu=_cpu_flags(),
+        transformers=transformers.__version__, python=sys.version, cpu=cpu_flags(),
     )  # fmt: skip
     digest = hashlib.sha256()
     for name in sorted(parts):
         digest.update(f"{name}={parts[name]}\0".encode())
     return digest.hexdigest()[:16]
-
-
-def _cpu_flags() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return line
-    return ""
 
 
 class DiskTier:
@@ -195,14 +185,8 @@ class DiskTier:
     def start_loads(self, loads: Sequence[TierLoad]) -> None:
         now = time.monotonic()
         for load in loads:
-            seq, size = load.seq, self.block_size
-            start = load.first_block * size
-            tokens = seq.get_token_ids(start, start + len(load.block_hashes) * size)
-            per_block = [tuple(tokens[i : i + size]) for i in range(0, len(tokens), size)]
-            first_parent = seq.block_hashes[load.first_block - 1] if load.first_block else None
-            parents = [first_parent, *load.block_hashes[:-1]]
             self._pending += 1
-            self._reads.put((load, per_block, parents, now))
+            self._reads.put((load, load.expected_blocks(self.block_size), now))
 
     def finish_loads(self, wait: float = 0.0) -> list[tuple[TierLoad, int]]:
         finished = []
@@ -322,26 +306,25 @@ class DiskTier:
 
     def _read_loop(self) -> None:
         while (job := self._reads.get()) is not None:
-            load, tokens, parents, started = job
-            host = self._copier.host_buffer(len(load.block_hashes))
+            load, expected, started = job
+            host = self._copier.host_buffer(len(expected))
             num_read = 0
             try:
-                for i, block_hash in enumerate(load.block_hashes):
-                    if not self._read(block_hash, parents[i], tokens[i], host[i]):
+                for block, out in zip(expected, host, strict=True):
+                    if not self._read(block, out):
                         break
                     num_read += 1
             except Exception:  # a bug here must not leave the sequence waiting forever
                 logger.exception("KV disk tier: a load failed; computing its blocks")
             self._done.put((load, host, num_read, time.monotonic() - started))
 
-    def _read(
-        self, block_hash: int, parent: int | None, tokens: tuple[int, ...], out: torch.Tensor
-    ) -> bool:
+    def _read(self, block: ExpectedBlock, out: torch.Tensor) -> bool:
         """Read one block's file into `out`; False (the file dropped if damaged) if not."""
+        block_hash = block.block_hash
         path = self.folder / file_name(block_hash)
         try:
             into = memoryview(out.view(torch.uint8).numpy()).cast("B")
-            read_into(path, self.key, block_hash, parent, tokens, into)
+            read_into(path, self.key, block_hash, block.parent_hash, block.token_ids, into)
         except FileNotFoundError:
             with self._lock:
                 self._index.pop(block_hash, None)

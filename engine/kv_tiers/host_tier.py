@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import MEDIUM_CPU, BlockRemoved, KVEvent, RegisteredBlock, stored_events
+from cache import MEDIUM_CPU, BlockRemoved, KVEvent, RegisteredBlock, held_prefix, stored_events
 from engine.kv_tier import TierStats
 from engine.kv_tiers.block_copy import BlockCopier
 from scheduler import TierLoad
@@ -58,12 +58,7 @@ class HostTier:
         self._stores = self._loads = self._load_count = 0
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
-        found = 0
-        for block_hash in block_hashes:
-            if block_hash not in self._index:
-                break
-            found += 1
-        return found
+        return held_prefix(block_hashes, self._index)
 
     def store(self, blocks: Sequence[RegisteredBlock]) -> None:
         todo = list({b.block_hash: b for b in blocks if b.block_hash not in self._index}.values())
@@ -88,18 +83,16 @@ class HostTier:
 
     def start_loads(self, loads: Sequence[TierLoad]) -> None:
         for load in loads:
-            seq, size = load.seq, self.block_size
-            parent = seq.block_hashes[load.first_block - 1] if load.first_block else None
             slots = []
-            for i, block_hash in enumerate(load.block_hashes):
-                slot = self._index.get(block_hash)
-                start = (load.first_block + i) * size
-                tokens = tuple(seq.get_token_ids(start, start + size))
-                if slot is None or slot.parent_hash != parent or slot.token_ids != tokens:
+            for block in load.expected_blocks(self.block_size):
+                slot = self._index.get(block.block_hash)
+                if slot is None or (slot.parent_hash, slot.token_ids) != (
+                    block.parent_hash,
+                    block.token_ids,
+                ):
                     break
-                self._index.move_to_end(block_hash)
+                self._index.move_to_end(block.block_hash)
                 slots.append(slot.index)
-                parent = block_hash
             if slots and load.current:
                 self._copier.scatter(load.block_ids[: len(slots)], self._pool[torch.tensor(slots)])
             self._finished.append((load, len(slots)))

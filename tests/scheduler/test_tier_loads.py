@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from cache import BlockManager, extend_block_hashes
+from cache import BlockManager, extend_block_hashes, held_prefix
 from scheduler import Scheduler, Sequence, SequenceStatus
 
 BLOCK = 4
@@ -19,12 +19,7 @@ class SetTier:
         self.held = held
 
     def lookup(self, block_hashes: Seq[int]) -> int:
-        found = 0
-        for block_hash in block_hashes:
-            if block_hash not in self.held:
-                break
-            found += 1
-        return found
+        return held_prefix(block_hashes, self.held)
 
 
 def hashes_of(tokens: list[int]) -> list[int]:

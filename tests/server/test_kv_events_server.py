@@ -6,7 +6,6 @@ returns what a late subscriber missed."""
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,16 +17,11 @@ import pytest
 import zmq
 
 from cache import hash_block
+from tests.engine.test_kv_events_publisher import free_endpoint
 from tests.server.conftest import live_server, tiny_config
 
 BLOCK = 16
 END = (-1).to_bytes(8, "big", signed=True)
-
-
-def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 @pytest.fixture(scope="module")
