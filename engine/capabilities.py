@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
     from engine.kv_events_config import KVEventsConfig
-    from engine.kv_tier import KVTier
+    from engine.kv_tier import KVTier, Publish
     from engine.model.loader import Install
     from engine.model.step_executor import EagerSteps, StepExecutor
     from engine.sampling.logits_constraint import ConstraintCompiler
@@ -146,7 +146,7 @@ def grammar_compiler(
 
 def kv_tier(
     kv_cache: torch.Tensor, capacity: int, root: Path, source: Path,
-    settings: Mapping[str, str], block_size: int,
+    settings: Mapping[str, str], block_size: int, publish: Publish | None,
 ) -> KVTier:  # fmt: skip
     """The disk tier of `capacity` bytes under `root`, in the folder of this model's files
     and `settings` (what changes a block's bits). Fails with one line naming
@@ -157,12 +157,14 @@ def kv_tier(
         raise ConfigError(f"kv_disk_size: {missing('engine.kv_tiers', exc)}") from None
     try:
         key = tier_key(settings, source)
-        return DiskTier(kv_cache, capacity, root, key, block_size)
+        return DiskTier(kv_cache, capacity, root, key, block_size, publish)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"kv_disk_size: the disk tier at {root} cannot serve: {exc}") from None
 
 
-def host_kv_tier(kv_cache: torch.Tensor, capacity: int, block_size: int) -> KVTier:
+def host_kv_tier(
+    kv_cache: torch.Tensor, capacity: int, block_size: int, publish: Publish | None
+) -> KVTier:
     """A pool of `capacity` bytes of pinned host memory beside a GPU's KV tensor; fails
     with one line naming `kv_offloading_size`."""
     try:
@@ -170,7 +172,7 @@ def host_kv_tier(kv_cache: torch.Tensor, capacity: int, block_size: int) -> KVTi
     except ImportError as exc:
         raise ConfigError(f"kv_offloading_size: {missing('engine.kv_tiers', exc)}") from None
     try:
-        return HostTier(kv_cache, capacity, block_size)
+        return HostTier(kv_cache, capacity, block_size, publish)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"kv_offloading_size: {exc}") from None
 

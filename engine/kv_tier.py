@@ -11,12 +11,16 @@ that does not check out is dropped and computed again.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from cache import KVEvent, PrefixTier, RegisteredBlock
 from scheduler import TierLoad
+
+# Where a tier sends the KV events of what it stores and drops, from whichever thread
+# does it (the event publisher's `publish`, which never blocks).
+Publish = Callable[[Sequence[KVEvent]], None]
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,10 +59,6 @@ class KVTier(PrefixTier, Protocol):
         still waits for it (`TierLoad.current`), and return them with how many of their
         first blocks now hold their KV. With none finished but some pending, wait up to
         `wait` seconds for one."""
-        ...
-
-    def take_events(self) -> list[KVEvent]:
-        """The tier's BlockStored and BlockRemoved events since the last call."""
         ...
 
     def stats(self) -> TierStats: ...

@@ -149,8 +149,8 @@ class LLMEngine:
             step_path=capabilities.step_executor(self._step_path(), config.max_num_seqs),
         )
         self._warm_up(config)
-        self.tier = self._kv_tier(config, loaded.source, kv_cache)
         self.events = capabilities.kv_event_publisher(config.kv_events_config)
+        self.tier = self._kv_tier(config, loaded.source, kv_cache)
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
@@ -362,9 +362,10 @@ class LLMEngine:
         if not config.enable_prefix_caching:
             logger.warning("KV tier off: it sits under the prefix cache, which is off")
             return None
+        publish = None if self.events is None else self.events.publish
         if config.kv_offloading_size:
             tier = capabilities.host_kv_tier(
-                kv_cache, int(config.kv_offloading_size), self.block_size
+                kv_cache, int(config.kv_offloading_size), self.block_size, publish
             )
             logger.info(
                 "KV host tier: %.1f MiB of pinned host memory", tier.stats().capacity / 2**20
@@ -378,8 +379,9 @@ class LLMEngine:
             "step_path": self._step_path(), "attention": self.attention.backend.name,
         }  # fmt: skip
         tier = capabilities.kv_tier(
-            kv_cache, int(config.kv_disk_size), root, Path(source), settings, self.block_size
-        )
+            kv_cache, int(config.kv_disk_size), root, Path(source), settings, self.block_size,
+            publish,
+        )  # fmt: skip
         stats = tier.stats()
         logger.info(
             "KV disk tier: %.1f MiB of %.1f MiB used (%d blocks), at %s",
@@ -540,8 +542,6 @@ class LLMEngine:
     def _publish_events(self) -> None:
         assert self.events is not None
         events = self.scheduler.block_manager.take_events()
-        if self.tier is not None:
-            events += self.tier.take_events()
         if events:
             self.events.publish(events)
 

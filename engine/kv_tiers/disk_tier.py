@@ -19,8 +19,9 @@ trusts and which a later start deletes once it is old.
 
 Threads: the engine's thread calls `lookup`, `store` (which copies the blocks' KV out
 at once), `start_loads` and `finish_loads` (which copies finished loads in); a writer
-thread writes and deletes files, a loader thread reads and checks them. The index, the
-counters and the events are shared under one lock.
+thread writes and deletes files, and publishes their events as it does (so they go out
+while the engine idles too), a loader thread reads and checks them. The index and the
+counters are shared under one lock.
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from pathlib import Path
 import torch
 import transformers
 
-from cache import MEDIUM_DISK, BlockRemoved, KVEvent, RegisteredBlock, stored_events
-from engine.kv_tier import TierStats
+from cache import MEDIUM_DISK, BlockRemoved, RegisteredBlock, stored_events
+from engine.kv_tier import Publish, TierStats
 from engine.kv_tiers.block_copy import BlockCopier
 from engine.kv_tiers.block_file import (
     FORMAT,
@@ -110,8 +111,9 @@ class DiskTier:
     medium = MEDIUM_DISK
 
     def __init__(
-        self, kv_cache: torch.Tensor, capacity: int, root: Path, key: str, block_size: int
-    ) -> None:
+        self, kv_cache: torch.Tensor, capacity: int, root: Path, key: str, block_size: int,
+        publish: Publish | None = None,
+    ) -> None:  # fmt: skip
         self._copier = BlockCopier(kv_cache)
         self.key = key
         self.block_size = block_size
@@ -128,7 +130,7 @@ class DiskTier:
         self._index: OrderedDict[int, None] = OrderedDict()
         self._writing: set[int] = set()
         self._queued_bytes = 0
-        self._events: list[KVEvent] = []
+        self._publish = publish
         self._stores = self._loads = self._drops = self._load_count = 0
         self._behind = False  # the writer fell behind: logged once
         self._load_seconds = 0.0
@@ -208,11 +210,6 @@ class DiskTier:
             applied.append((load, num_blocks))
         return applied
 
-    def take_events(self) -> list[KVEvent]:
-        with self._lock:
-            events, self._events = self._events, []
-        return events
-
     def stats(self) -> TierStats:
         with self._lock:
             return TierStats(
@@ -250,8 +247,9 @@ class DiskTier:
                     self._index[block.block_hash] = None
                 self._queued_bytes -= len(blocks) * self._copier.block_bytes
                 self._stores += len(written)
-                self._events += stored_events(written, self.block_size, self.medium)
                 over = len(self._index) > self._max_files
+            if written and self._publish is not None:
+                self._publish(stored_events(written, self.block_size, self.medium))
             if over or time.monotonic() - self._scanned_at > RESCAN_SECONDS:
                 self._evict()
 
@@ -277,10 +275,10 @@ class DiskTier:
                 return
             excess = len(self._index) - int(self._max_files * LOW_WATER)
             victims = [self._index.popitem(last=False)[0] for _ in range(max(excess, 0))]
-            if victims:
-                self._events.append(BlockRemoved(tuple(victims), self.medium))
         for block_hash in victims:
             (self.folder / file_name(block_hash)).unlink(missing_ok=True)
+        if victims and self._publish is not None:
+            self._publish([BlockRemoved(tuple(victims), self.medium)])
 
     def _scan(self) -> None:
         """Rebuild the index from the folder's names and modification times (no file is

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from cache import MEDIUM_CPU, BlockRemoved, KVEvent, RegisteredBlock, held_prefix, stored_events
-from engine.kv_tier import TierStats
+from cache import MEDIUM_CPU, BlockRemoved, RegisteredBlock, held_prefix, stored_events
+from engine.kv_tier import Publish, TierStats
 from engine.kv_tiers.block_copy import BlockCopier
 from scheduler import TierLoad
 
@@ -40,7 +40,10 @@ class HostTier:
 
     medium = MEDIUM_CPU
 
-    def __init__(self, kv_cache: torch.Tensor, capacity: int, block_size: int) -> None:
+    def __init__(
+        self, kv_cache: torch.Tensor, capacity: int, block_size: int,
+        publish: Publish | None = None,
+    ) -> None:  # fmt: skip
         self._copier = BlockCopier(kv_cache)
         self.block_size = block_size
         self.capacity = capacity
@@ -54,7 +57,7 @@ class HostTier:
         self._index: OrderedDict[int, _Slot] = OrderedDict()
         self._free = list(range(num_slots - 1, -1, -1))
         self._finished: list[tuple[TierLoad, int]] = []
-        self._events: list[KVEvent] = []
+        self._publish = publish
         self._stores = self._loads = self._load_count = 0
 
     def lookup(self, block_hashes: Sequence[int]) -> int:
@@ -76,9 +79,9 @@ class HostTier:
             self._index[block.block_hash] = slot
             slots.append(slot.index)
         self._pool[torch.tensor(slots)] = self._copier.gather([b.block_id for b in todo])
-        if evicted:
-            self._events.append(BlockRemoved(tuple(evicted), self.medium))
-        self._events += stored_events(todo, self.block_size, self.medium)
+        if self._publish is not None:
+            removed = [BlockRemoved(tuple(evicted), self.medium)] if evicted else []
+            self._publish(removed + stored_events(todo, self.block_size, self.medium))
         self._stores += len(todo)
 
     def start_loads(self, loads: Sequence[TierLoad]) -> None:
@@ -102,10 +105,6 @@ class HostTier:
     def finish_loads(self, wait: float = 0.0) -> list[tuple[TierLoad, int]]:
         finished, self._finished = self._finished, []
         return finished
-
-    def take_events(self) -> list[KVEvent]:
-        events, self._events = self._events, []
-        return events
 
     def stats(self) -> TierStats:
         used = len(self._index) * self._copier.block_bytes

@@ -69,10 +69,10 @@ TOKENS = list(range(100, 117))  # 4 full blocks and one token
 
 def test_blocks_come_back_bit_identical_into_other_blocks(tmp_path: Path) -> None:
     source, target = kv_cache(0), kv_cache(1)
-    writer = DiskTier(source, 1 << 20, tmp_path, KEY, BLOCK)
+    stored: list = []
+    writer = DiskTier(source, 1 << 20, tmp_path, KEY, BLOCK, stored.extend)
     writer.store(registered(TOKENS, [3, 7, 1, 9]))
     settle(writer, 4)
-    stored = writer.take_events()
     assert [type(event) for event in stored] == [BlockStored]
     assert stored[0].token_ids == tuple(TOKENS[:16]) and stored[0].medium == MEDIUM_DISK
     writer.close()
@@ -124,7 +124,8 @@ def test_a_damaged_file_is_dropped_and_the_blocks_before_it_are_kept(
 
 def test_the_budget_holds_and_the_least_recently_used_go_first(tmp_path: Path) -> None:
     capacity = 13 * block_bytes()
-    tier = DiskTier(kv_cache(0), capacity, tmp_path, KEY, BLOCK)
+    events: list = []
+    tier = DiskTier(kv_cache(0), capacity, tmp_path, KEY, BLOCK, events.extend)
     first = list(range(17))
     tier.store(registered(first, [0, 1, 2, 3]))
     settle(tier, 4)
@@ -137,7 +138,7 @@ def test_the_budget_holds_and_the_least_recently_used_go_first(tmp_path: Path) -
     assert len(files) * block_bytes() <= capacity
     assert sum(f.stat().st_size for f in files) <= capacity
     assert tier.lookup(loading(first, [0], 4).block_hashes) == 4  # kept: recently used
-    removed = [event for event in tier.take_events() if isinstance(event, BlockRemoved)]
+    removed = [event for event in events if isinstance(event, BlockRemoved)]
     assert sum(len(event.block_hashes) for event in removed) == 16 - len(files)
     tier.close()
 

@@ -18,9 +18,10 @@ BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 8 * 4
 
 def test_blocks_come_back_bit_identical_and_the_oldest_go_first() -> None:
     source = kv_cache(0)
-    tier = HostTier(source, 6 * BLOCK_BYTES, BLOCK)
+    events: list = []
+    tier = HostTier(source, 6 * BLOCK_BYTES, BLOCK, events.extend)
     tier.store(registered(TOKENS, [3, 7, 1, 9]))
-    [stored] = tier.take_events()
+    [stored] = events
     assert isinstance(stored, BlockStored) and stored.medium == MEDIUM_CPU
     job = loading(TOKENS, [0, 2, 4, 5], 4)
     assert tier.lookup(job.block_hashes) == 4
@@ -30,7 +31,7 @@ def test_blocks_come_back_bit_identical_and_the_oldest_go_first() -> None:
         assert torch.equal(source[:, :, loaded_id], kv_cache(0)[:, :, stored_id])
     other = list(range(500, 517))
     tier.store(registered(other, [6, 8, 1, 2]))  # 8 blocks into 6 slots: 2 replaced
-    removed = [e for e in tier.take_events() if isinstance(e, BlockRemoved)]
+    removed = [e for e in events if isinstance(e, BlockRemoved)]
     assert len(removed[0].block_hashes) == 2
     assert tier.lookup(job.block_hashes) == 0  # the first prompt's first blocks went first
     assert tier.stats().num_blocks == 6
