@@ -253,7 +253,7 @@ def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
     """The kernel's scalar twin (built with PAGEDSERVE_SCALAR_TWIN), which CPUs without
     AVX2 run, computes the same bits as the build this CPU runs, in every format (the
     affine ones per group of 32, GGUF's super-block ones per 256), at row counts that fill
-    and split every run of rows."""
+    and split every run of rows, over inputs of more than one chunk of decoded groups."""
     from torch.utils import cpp_extension
 
     twin = cpp_extension.load(
@@ -267,11 +267,11 @@ def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
     rng = np.random.default_rng(0)
     torch.manual_seed(0)
     for ggml_type in KERNEL_TYPES:
-        packed = to_packed(ggml_type, random_blocks(ggml_type, 50, 512, rng))
+        packed = to_packed(ggml_type, random_blocks(ggml_type, 50, 1280, rng))
         bias = torch.randn(50)
         for dtype in DTYPES:
-            for rows in (1, 2, 3, 5, 9, 17):
-                x = torch.randn(rows, 512).to(dtype)
+            for rows in (1, 2, 3, 5, 6, 7, 9, 17):
+                x = torch.randn(rows, 1280).to(dtype)
                 args = (packed.codes, packed.scales, packed.offsets, packed.sub, packed.bits)
                 got = twin.group_linear(x, *args, packed.scheme, 50, bias)
                 assert torch.equal(got, group_linear.group_linear(x, packed, bias)), ggml_type

@@ -150,6 +150,10 @@ struct QuantizedRows {
   std::unique_ptr<int8_t[]> codes256;  // [m, k], per super-block
   std::unique_ptr<float[]> scales256;  // [m, k / 256]
   std::unique_ptr<int32_t[]> sums16;   // [m, k / 16]
+  // The codes again, rows interleaved in runs of 4 (AVX2's decoded tiles; else empty): row
+  // r's input i at ((r / 4) * k + (i / 4) * 16 + (r % 4) * 4 + i % 4), rows past m zero.
+  std::unique_ptr<int8_t[]> runs;     // of `codes`
+  std::unique_ptr<int8_t[]> runs256;  // of `codes256`
 
   QuantizedRows(int64_t m, int64_t k, bool groups, bool supers) {
     if (groups) {

@@ -84,17 +84,19 @@ using namespace pagedserve_groups;
 // Bytes of codes per task of at::parallel_for: smaller layers run on the calling thread.
 constexpr int64_t kGrainBytes = 32 * 1024;
 
-// Rows r..r+rows-1 against tile t of `w`, by its format.
-void run_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r, int64_t rows,
+// Rows r_begin..r_end-1 against tile t of `w`, by its format.
+void run_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin, int64_t r_end,
               const Output& out, int64_t valid) {
   if (w.scheme == kSuperMin) {
-    if (w.bits == 4) return tile_run<4, kSuperMin>(w, t, q, r, rows, out, valid);
-    return tile_run<5, kSuperMin>(w, t, q, r, rows, out, valid);
+    if (w.bits == 4) return tile_rows<4, kSuperMin>(w, t, q, r_begin, r_end, out, valid);
+    return tile_rows<5, kSuperMin>(w, t, q, r_begin, r_end, out, valid);
   }
-  if (w.scheme == kSuperSigned) return tile_run<6, kSuperSigned>(w, t, q, r, rows, out, valid);
-  if (w.bits == 4) return tile_run<4, kAffine>(w, t, q, r, rows, out, valid);
-  if (w.bits == 5) return tile_run<5, kAffine>(w, t, q, r, rows, out, valid);
-  return tile_run<8, kAffine>(w, t, q, r, rows, out, valid);
+  if (w.scheme == kSuperSigned) {
+    return tile_rows<6, kSuperSigned>(w, t, q, r_begin, r_end, out, valid);
+  }
+  if (w.bits == 4) return tile_rows<4, kAffine>(w, t, q, r_begin, r_end, out, valid);
+  if (w.bits == 5) return tile_rows<5, kAffine>(w, t, q, r_begin, r_end, out, valid);
+  return tile_rows<8, kAffine>(w, t, q, r_begin, r_end, out, valid);
 }
 
 // Calls of at least this many rows run their blocks of 16 rows on AMX (measured faster than
@@ -182,9 +184,7 @@ void run_parts(const std::vector<Part>& parts, const QuantizedRows& q, int64_t m
 #else
       const int64_t first_row = 0;
 #endif
-      for (int64_t r = first_row; r < m; r += kRowRun) {
-        run_tile(part.w, t, q, r, std::min(kRowRun, m - r), part.out, valid);
-      }
+      run_tile(part.w, t, q, first_row, m, part.out, valid);
     }
 #ifdef PAGEDSERVE_AMX
     if (any_amx) _tile_release();

@@ -11,23 +11,32 @@
 // group's small scale (exact: at most 2 * 32,004 * 128 < 2^31). So the integer sums are
 // exact, the float arithmetic runs in the scalar order, and the bits are the scalar code's.
 //
-// A tile's two halves of 8 outputs run together, in runs of up to 2 rows (AVX2 has 16
-// vector registers), so each broadcast input serves 16 outputs. At one row the kernel is
-// memory-bound, and the hardware prefetchers alone left it at about 21 GB/s on a 2-core
-// Zen 3 whose cores stream 32 GB/s: each group asks the L2 for the codes `kPrefetchBytes`
-// ahead (about 28 GB/s measured over a 1B model's shapes, `python -m bench.linear_kernels`).
+// Up to 3 rows (decode), a tile's two halves of 8 outputs run together, in runs of up to 2
+// rows (AVX2 has 16 vector registers), so each broadcast input serves 16 outputs. At one row
+// the kernel is memory-bound, and the hardware prefetchers alone left it at about 21 GB/s on
+// a 2-core Zen 3 whose cores stream 32 GB/s: each group asks the L2 for the codes
+// `kPrefetchBytes` ahead (about 28 GB/s measured over a 1B model's shapes, `python -m
+// bench.linear_kernels`). From 4 rows on (prefill, batched decode) the kernel is
+// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`): 1.12-1.3x
+// the runs' speed at 8 to 256 rows on the 2-core Zen 3 (Q4_K, Q6_K, Q4_0 shapes of a 1B
+// model, one thread, the two builds' calls alternating).
 
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstring>
+#include <vector>
 
 #include "group_formats.h"
 
 namespace pagedserve_groups {
 
 constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
+// Calls of at least kDecodedMinRows rows run codes of 4 to 6 bits on decoded tiles, in runs
+// of kDecodedRun rows (see `decoded_tile`).
+constexpr int64_t kDecodedMinRows = 4;
+constexpr int64_t kDecodedRun = 4;
 // How far ahead of the group being computed its codes are prefetched into the L2 (measured
 // at 12, 16, 24 and 32 KB on the 2-core Zen 3: 16 to 24 KB ran fastest).
 constexpr int64_t kPrefetchBytes = 20 * 1024;
@@ -73,9 +82,19 @@ void quantize_super_block8(const T* x, int64_t r, int64_t b, int64_t k, Quantize
   q.scales256[r * (k / kSuper) + b] = amax / 127.0f;
 }
 
+// Rows r of `codes` [m, k] into `runs`, interleaved as QuantizedRows states.
+inline void interleave_row(const int8_t* codes, int64_t r, int64_t k, int8_t* runs) {
+  int8_t* out = runs + (r / kDecodedRun) * kDecodedRun * k + (r % kDecodedRun) * 4;
+  for (int64_t i = 0; i < k; i += 4) std::memcpy(out + i * kDecodedRun, codes + r * k + i, 4);
+}
+
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool supers) {
   QuantizedRows q(m, k, groups, supers);
+  const bool runs = m >= kDecodedMinRows;
+  const int64_t padded = (m + kDecodedRun - 1) / kDecodedRun * kDecodedRun * k;
+  if (runs && groups) q.runs.reset(new int8_t[padded]());
+  if (runs && supers) q.runs256.reset(new int8_t[padded]());
   const int64_t grain = std::max<int64_t>(1, 16 * 1024 / k);
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -83,6 +102,8 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool 
       for (int64_t b = 0; supers && b < k / kSuper; ++b) {
         quantize_super_block8(x + r * k + b * kSuper, r, b, k, q);
       }
+      if (runs && groups) interleave_row(q.codes.get(), r, k, q.runs.get());
+      if (runs && supers) interleave_row(q.codes256.get(), r, k, q.runs256.get());
     }
   });
   return q;
@@ -288,6 +309,53 @@ inline __m256i weighted_sums(const __m256i (*factor)[2], int h, const int32_t* s
   return total;
 }
 
+// Group g's share of one row's 8 outputs of half h (`a`): its integer sums `isum` times the
+// group's scale and the row's (the row's group `row` of q), plus the offset times the row's
+// sum. The same operations in the same order on every path.
+inline void affine_epilogue(const Tile& tile, int64_t g, const QuantizedRows& q, int64_t row,
+                            int h, __m256i isum, float* a) {
+  const __m256 s = load_halves8(tile.scales + g * kTile + 8 * h);
+  const __m256 z = load_halves8(tile.offsets + g * kTile + 8 * h);
+  const __m256 step = _mm256_mul_ps(s, _mm256_set1_ps(q.scales[row]));
+  const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), step, _mm256_loadu_ps(a));
+  _mm256_storeu_ps(a, _mm256_fmadd_ps(z, _mm256_set1_ps(q.sums[row]), v));
+}
+
+// Super-block b's share of row `row`'s 8 outputs of half h (`a`): the integer sums `isum`
+// (already times the small scales) times d and the row's scale, less the minimums' term
+// (SUPER_MIN), or less the centring term first (SUPER_SIGNED), as group_tiles_scalar.h.
+template <int64_t Bits, int64_t Scheme, int Pairs>
+inline void super_epilogue(const Tile& tile, int64_t b, const QuantizedRows& q, int64_t k,
+                           int64_t row, int h, const __m256i (*factor)[2], __m256i isum,
+                           float* a) {
+  const int64_t blocks = k / kSuper;
+  const int32_t* sums16 = q.sums16.get() + row * (k / kHalf) + b * (kSuper / kHalf);
+  const __m256 xs = _mm256_set1_ps(q.scales256[row * blocks + b]);
+  const __m256 step = _mm256_mul_ps(load_halves8(tile.scales + b * kTile + 8 * h), xs);
+  if constexpr (Scheme == kSuperMin) {
+    const __m256i msum = weighted_sums(factor, h, sums16, Pairs, 2);
+    const __m256 mstep = negated(_mm256_mul_ps(load_halves8(tile.offsets + b * kTile + 8 * h), xs));
+    const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), step, _mm256_loadu_ps(a));
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), mstep, v));
+  } else {
+    const __m256i centring = weighted_sums(factor, h, sums16, Pairs, 1);
+    const __m256i sum = _mm256_sub_epi32(isum, _mm256_slli_epi32(centring, Bits - 1));
+    _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), step, _mm256_loadu_ps(a)));
+  }
+}
+
+// Pairs of a super-block's small scales per half for `weighted_sums`: its groups' minimums
+// (SUPER_MIN) or its sub-blocks' scales (SUPER_SIGNED).
+template <int64_t Scheme, int Pairs>
+inline void super_factors(const Tile& tile, int64_t b, __m256i (*factor)[2]) {
+  if constexpr (Scheme == kSuperMin) {
+    scale_pairs(tile.sub + b * (kSuper / kGroup) * 2 * kTile + kTile, 2 * kTile, Pairs, false,
+                factor);
+  } else {
+    scale_pairs(tile.sub + b * (kSuper / kHalf) * kTile, kTile, Pairs, true, factor);
+  }
+}
+
 inline void prefetch_group(const uint8_t* c, int64_t bytes) {
   for (int64_t line = 0; line < bytes; line += 64) {
     _mm_prefetch(reinterpret_cast<const char*>(c + kPrefetchBytes + line), _MM_HINT_T1);
@@ -306,15 +374,8 @@ void affine_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int
     __m256i isum[Rows][2];
     group_sums<Rows, Bits>(c, q.codes.get() + r0 * k + g * kGroup, k, isum);
     for (int h = 0; h < 2; ++h) {
-      const __m256 s = load_halves8(tile.scales + g * kTile + 8 * h);
-      const __m256 z = load_halves8(tile.offsets + g * kTile + 8 * h);
       for (int64_t r = 0; r < Rows; ++r) {
-        const int64_t row = (r0 + r) * groups + g;
-        const __m256 step = _mm256_mul_ps(s, _mm256_set1_ps(q.scales[row]));
-        __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), step,
-                                   _mm256_load_ps(acc[r] + 8 * h));
-        a = _mm256_fmadd_ps(z, _mm256_set1_ps(q.sums[row]), a);
-        _mm256_store_ps(acc[r] + 8 * h, a);
+        affine_epilogue(tile, g, q, (r0 + r) * groups + g, h, isum[r][h], acc[r] + 8 * h);
       }
     }
   }
@@ -329,12 +390,7 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
   constexpr int pairs = Scheme == kSuperMin ? kSuper / kGroup / 2 : kSuper / kHalf / 2;
   __m256i factor[pairs][2];
   for (int64_t b = 0; b < blocks; ++b) {
-    if constexpr (Scheme == kSuperMin) {  // the groups' minimums
-      scale_pairs(tile.sub + b * (kSuper / kGroup) * 2 * kTile + kTile, 2 * kTile, pairs, false,
-                  factor);
-    } else {  // the sub-blocks' scales
-      scale_pairs(tile.sub + b * (kSuper / kHalf) * kTile, kTile, pairs, true, factor);
-    }
+    super_factors<Scheme, pairs>(tile, b, factor);
     __m256i isum[Rows][2];
     for (int64_t r = 0; r < Rows; ++r) isum[r][0] = isum[r][1] = _mm256_setzero_si256();
     for (int64_t j = 0; j < kSuper / kGroup; ++j) {
@@ -345,28 +401,179 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
       scaled_group_sums<Rows, Bits, Scheme>(tile, g, c, x, k, isum);
     }
     for (int64_t r = 0; r < Rows; ++r) {
-      const int64_t row = r0 + r;
-      const int32_t* sums16 = q.sums16.get() + row * (k / kHalf) + b * (kSuper / kHalf);
-      const __m256 xs = _mm256_set1_ps(q.scales256[row * blocks + b]);
       for (int h = 0; h < 2; ++h) {
-        const __m256 step = _mm256_mul_ps(load_halves8(tile.scales + b * kTile + 8 * h), xs);
-        float* a = acc[r] + 8 * h;
-        if constexpr (Scheme == kSuperMin) {
-          const __m256i msum = weighted_sums(factor, h, sums16, pairs, 2);
-          const __m256 mstep =
-              negated(_mm256_mul_ps(load_halves8(tile.offsets + b * kTile + 8 * h), xs));
-          const __m256 v =
-              _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), step, _mm256_load_ps(a));
-          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), mstep, v));
-        } else {
-          const __m256i centring = weighted_sums(factor, h, sums16, pairs, 1);
-          const __m256i sum = _mm256_sub_epi32(isum[r][h], _mm256_slli_epi32(centring, Bits - 1));
-          _mm256_store_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), step, _mm256_load_ps(a)));
+        super_epilogue<Bits, Scheme, pairs>(tile, b, q, k, r0 + r, h, factor, isum[r][h],
+                                            acc[r] + 8 * h);
+      }
+    }
+  }
+}
+
+// Many rows: decoded tiles. From `kDecodedMinRows` rows on, a call is compute-bound, and
+// decoding a group's codes for every run of 2 rows, with 16 outputs' sums live at once, left
+// the kernel spilling registers. So a tile's codes are decoded once per chunk of
+// `kChunkGroups` groups into 8-bit code vectors (16 KB, held in the L1), and runs of up to
+// `kDecodedRun` rows take them half by half (8 outputs): per pair of code vectors, two
+// loads, and per row two broadcasts (from `QuantizedRows::runs`, the run's rows interleaved,
+// so one pointer reaches all four), two VPMADDUBSW and two adds.
+// The integer sums are the same exact integers, widened on the same schedule, and each
+// row's float operations are `affine_epilogue`'s or `super_epilogue`'s in the same order,
+// so the bits are those of the runs above.
+constexpr int64_t kChunkGroups = 32;
+constexpr int64_t kDecodedGroup = 2 * 4 * 64;  // bytes: [half][pair][low, high][32]
+
+// Group g's code vectors (`c`: its packed codes) into `out`, as `kDecodedGroup` bytes.
+template <int64_t Bits>
+inline void decode_group(const uint8_t* c, uint8_t* out) {
+  const auto store = [&](int h, int j, __m256i lo, __m256i hi) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + h * 256 + j * 64), lo);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(out + h * 256 + j * 64 + 32), hi);
+  };
+  for (int h = 0; h < 2; ++h) {
+    __m256i lo, hi;
+    decode_pair<Bits, 0>(c + 32 * h, lo, hi);
+    store(h, 0, lo, hi);
+    decode_pair<Bits, 1>(c + 32 * h, lo, hi);
+    store(h, 1, lo, hi);
+    decode_pair<Bits, 2>(c + 32 * h, lo, hi);
+    store(h, 2, lo, hi);
+    decode_pair<Bits, 3>(c + 32 * h, lo, hi);
+    store(h, 3, lo, hi);
+  }
+}
+
+// Decoded pair J of one half (`d`: the half's 256 bytes) against `Rows` rows of a run, into
+// s16[r] (`x`: the run's interleaved codes of the group).
+template <int64_t Rows, int J>
+__attribute__((always_inline)) inline void add_decoded(const uint8_t* d, const int8_t* x,
+                                                       __m256i* s16) {
+  const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + J * 64));
+  const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + J * 64 + 32));
+  for (int64_t r = 0; r < Rows; ++r) {
+    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(x + 32 * J + 4 * r)));
+    s16[r] = _mm256_add_epi16(s16[r],
+                              _mm256_maddubs_epi16(hi, broadcast4(x + 32 * J + 16 + 4 * r)));
+    // A running sum, its row's loads not moved ahead: left free, GCC loads every row's
+    // inputs first and adds the products in a tree, which needs more registers than AVX2
+    // has, and spills.
+    asm("" : "+x"(s16[r]));
+  }
+}
+
+template <int64_t Rows>
+__attribute__((always_inline)) inline void widen_half(__m256i factor, __m256i* s16,
+                                                      __m256i* isum) {
+  for (int64_t r = 0; r < Rows; ++r) {
+    isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(s16[r], factor));
+    s16[r] = _mm256_setzero_si256();
+  }
+}
+
+// Half h's 8 small scales (`p`: the 16 of a group or sub-block) as `pair_scales` makes them.
+inline __m256i half_scales(const uint8_t* p, int h, bool is_signed) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8 * h));
+  const __m128i twice = _mm_unpacklo_epi8(bytes, bytes);
+  return is_signed ? _mm256_cvtepi8_epi16(twice) : _mm256_cvtepu8_epi16(twice);
+}
+
+// Group g's decoded half h against `Rows` rows of a run, added into isum[r] (times the
+// group's small scales for the super-block schemes), widened as `group_sums` and
+// `scaled_group_sums` do.
+template <int64_t Rows, int64_t Bits, int64_t Scheme>
+__attribute__((always_inline)) inline void decoded_group_sums(const Tile& tile, int64_t g, int h,
+                                                              const uint8_t* d, const int8_t* x,
+                                                              __m256i* isum) {
+  __m256i s16[Rows];
+  for (int64_t r = 0; r < Rows; ++r) s16[r] = _mm256_setzero_si256();
+  __m256i first = _mm256_set1_epi16(1), second = first;
+  if constexpr (Scheme == kSuperMin) {
+    first = second = half_scales(tile.sub + g * 2 * kTile, h, false);
+  } else if constexpr (Scheme == kSuperSigned) {
+    first = half_scales(tile.sub + 2 * g * kTile, h, true);
+  }
+  add_decoded<Rows, 0>(d, x, s16);
+  if constexpr (Bits == 6) widen_half<Rows>(first, s16, isum);
+  add_decoded<Rows, 1>(d, x, s16);
+  if constexpr (Bits >= 5) widen_half<Rows>(first, s16, isum);
+  if constexpr (Scheme == kSuperSigned) second = half_scales(tile.sub + (2 * g + 1) * kTile, h, true);
+  add_decoded<Rows, 2>(d, x, s16);
+  if constexpr (Bits == 6) widen_half<Rows>(second, s16, isum);
+  add_decoded<Rows, 3>(d, x, s16);
+  widen_half<Rows>(second, s16, isum);
+}
+
+// Rows r0..r0+Rows-1 against groups g0..g1 of a tile (`decoded`: their codes, decoded), into
+// acc (rows of kTile floats).
+template <int64_t Rows, int64_t Bits, int64_t Scheme>
+void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int64_t r0,
+                  int64_t g0, int64_t g1, const uint8_t* decoded, float* acc) {
+  const int64_t k = w.k;
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (Scheme == kAffine) {
+      for (int64_t g = g0; g < g1; ++g) {
+        __m256i isum[Rows];
+        for (int64_t r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
+        const int8_t* x = q.runs.get() + r0 * k + g * kGroup * kDecodedRun;
+        decoded_group_sums<Rows, Bits, Scheme>(
+            tile, g, h, decoded + (g - g0) * kDecodedGroup + h * 256, x, isum);
+        for (int64_t r = 0; r < Rows; ++r) {
+          affine_epilogue(tile, g, q, (r0 + r) * (k / kGroup) + g, h, isum[r],
+                          acc + r * kTile + 8 * h);
+        }
+      }
+    } else {
+      constexpr int pairs = Scheme == kSuperMin ? kSuper / kGroup / 2 : kSuper / kHalf / 2;
+      __m256i factor[pairs][2];
+      for (int64_t b = g0 / (kSuper / kGroup); b < g1 / (kSuper / kGroup); ++b) {
+        super_factors<Scheme, pairs>(tile, b, factor);
+        __m256i isum[Rows];
+        for (int64_t r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
+        for (int64_t g = b * (kSuper / kGroup); g < (b + 1) * (kSuper / kGroup); ++g) {
+          const int8_t* x = q.runs256.get() + r0 * k + g * kGroup * kDecodedRun;
+          decoded_group_sums<Rows, Bits, Scheme>(
+              tile, g, h, decoded + (g - g0) * kDecodedGroup + h * 256, x, isum);
+        }
+        for (int64_t r = 0; r < Rows; ++r) {
+          super_epilogue<Bits, Scheme, pairs>(tile, b, q, k, r0 + r, h, factor, isum[r],
+                                              acc + r * kTile + 8 * h);
         }
       }
     }
   }
 }
+
+// Rows r_begin..r_end-1 (at least kDecodedMinRows) against tile t, chunk by chunk of groups.
+template <int64_t Bits, int64_t Scheme>
+void decoded_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin,
+                  int64_t r_end, const Output& out, int64_t valid) {
+  static_assert(kChunkGroups % (kSuper / kGroup) == 0, "chunks hold whole super-blocks");
+  alignas(32) static thread_local uint8_t decoded[kChunkGroups * kDecodedGroup];
+  static thread_local std::vector<float> acc;
+  const Tile tile(w, t);
+  acc.assign((r_end - r_begin) * kTile, 0.0f);
+  const int64_t groups = w.k / kGroup;
+  for (int64_t g0 = 0; g0 < groups; g0 += kChunkGroups) {
+    const int64_t g1 = std::min(groups, g0 + kChunkGroups);
+    for (int64_t g = g0; g < g1; ++g) {
+      const uint8_t* c = tile.codes + g * w.group_bytes();
+      prefetch_group(c, w.group_bytes());
+      decode_group<Bits>(c, decoded + (g - g0) * kDecodedGroup);
+    }
+    for (int64_t r0 = r_begin; r0 < r_end; r0 += kDecodedRun) {
+      float* a = acc.data() + (r0 - r_begin) * kTile;
+      switch (std::min(kDecodedRun, r_end - r0)) {
+        case 4: decoded_rows<4, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
+        case 3: decoded_rows<3, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
+        case 2: decoded_rows<2, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
+        default: decoded_rows<1, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a);
+      }
+    }
+  }
+  for (int64_t r = r_begin; r < r_end; ++r) {
+    store_lanes(acc.data() + (r - r_begin) * kTile, t, r, out, valid);
+  }
+}
+static_assert(kDecodedRun == 4, "decoded_tile instantiates runs of 1 to 4 rows");
 
 // Rows r0..r0+rows-1 (at most kRowRun) against tile t, into the tile's columns of `out`.
 template <int64_t Bits, int64_t Scheme>
@@ -385,5 +592,18 @@ void tile_run(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, i
 }
 
 static_assert(kRowRun == 2, "tile_run instantiates runs of 1 and 2 rows");
+
+// Rows r_begin..r_end-1 against tile t: decoded tiles from kDecodedMinRows rows on (codes of
+// 4 to 6 bits), else runs of kRowRun rows over the packed codes.
+template <int64_t Bits, int64_t Scheme>
+void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin,
+               int64_t r_end, const Output& out, int64_t valid) {
+  if (Bits != 8 && r_end - r_begin >= kDecodedMinRows) {
+    return decoded_tile<Bits, Scheme>(w, t, q, r_begin, r_end, out, valid);
+  }
+  for (int64_t r = r_begin; r < r_end; r += kRowRun) {
+    tile_run<Bits, Scheme>(w, t, q, r, std::min(kRowRun, r_end - r), out, valid);
+  }
+}
 
 }  // namespace pagedserve_groups

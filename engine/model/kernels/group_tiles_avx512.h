@@ -345,4 +345,13 @@ void tile_run(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, i
 
 static_assert(kRowRun == 8, "tile_run instantiates runs of 1 to 8 rows");
 
+// Rows r_begin..r_end-1 against tile t, in runs of kRowRun rows.
+template <int64_t Bits, int64_t Scheme>
+void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin,
+               int64_t r_end, const Output& out, int64_t valid) {
+  for (int64_t r = r_begin; r < r_end; r += kRowRun) {
+    tile_run<Bits, Scheme>(w, t, q, r, std::min(kRowRun, r_end - r), out, valid);
+  }
+}
+
 }  // namespace pagedserve_groups
