@@ -154,6 +154,11 @@ struct QuantizedRows {
   // r's input i at ((r / 4) * k + (i / 4) * 16 + (r % 4) * 4 + i % 4), rows past m zero.
   std::unique_ptr<int8_t[]> runs;     // of `codes`
   std::unique_ptr<int8_t[]> runs256;  // of `codes256`
+  // Per super-block (AVX2), the int16 pairs its epilogues multiply by pairs of small scales:
+  // 4 pairs of its groups' sums (sums of 32), then 8 pairs of its sums per 16, each the
+  // first sum in the low 16 bits and the second in the high (each sum below 2^15).
+  static constexpr int64_t kPairSums = 12;
+  std::unique_ptr<int32_t[]> pair_sums;  // [m, k / 256, kPairSums]
 
   QuantizedRows(int64_t m, int64_t k, bool groups, bool supers) {
     if (groups) {

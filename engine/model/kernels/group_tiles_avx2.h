@@ -80,6 +80,15 @@ void quantize_super_block8(const T* x, int64_t r, int64_t b, int64_t k, Quantize
     sums[h] = sum;
   }
   q.scales256[r * (k / kSuper) + b] = amax / 127.0f;
+  const auto pair = [](int32_t first, int32_t second) {
+    return static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFF) |
+                                (static_cast<uint32_t>(second) << 16));
+  };
+  int32_t* pairs = q.pair_sums.get() + (r * (k / kSuper) + b) * QuantizedRows::kPairSums;
+  for (int p = 0; p < 4; ++p) {
+    pairs[p] = pair(sums[4 * p] + sums[4 * p + 1], sums[4 * p + 2] + sums[4 * p + 3]);
+  }
+  for (int p = 0; p < 8; ++p) pairs[4 + p] = pair(sums[2 * p], sums[2 * p + 1]);
 }
 
 // Rows r of `codes` [m, k] into `runs`, interleaved as QuantizedRows states.
@@ -95,6 +104,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool 
   const int64_t padded = (m + kDecodedRun - 1) / kDecodedRun * kDecodedRun * k;
   if (runs && groups) q.runs.reset(new int8_t[padded]());
   if (runs && supers) q.runs256.reset(new int8_t[padded]());
+  if (supers) q.pair_sums.reset(new int32_t[m * (k / kSuper) * QuantizedRows::kPairSums]);
   const int64_t grain = std::max<int64_t>(1, 16 * 1024 / k);
   at::parallel_for(0, m, grain, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
@@ -291,20 +301,13 @@ inline void scale_pairs(const uint8_t* p, int64_t step, int pairs, bool is_signe
 }
 
 // Per output of half h: sum over the scales of `factor` times a row's integer input sums
-// (`sums`, one per scale, each the sum of `width` consecutive entries; each below 2^15),
-// a super-block's mins or centring term, exact in int32.
-inline __m256i weighted_sums(const __m256i (*factor)[2], int h, const int32_t* sums, int pairs,
-                             int width) {
+// (`pairs`: the row's pairs of them, `QuantizedRows::pair_sums`), a super-block's mins or
+// centring term, exact in int32.
+inline __m256i weighted_sums(const __m256i (*factor)[2], int h, const int32_t* pairs,
+                             int count) {
   __m256i total = _mm256_setzero_si256();
-  for (int pair = 0; pair < pairs; ++pair) {
-    int32_t first = 0, second = 0;
-    for (int i = 0; i < width; ++i) {
-      first += sums[2 * pair * width + i];
-      second += sums[(2 * pair + 1) * width + i];
-    }
-    const int32_t both = static_cast<int32_t>((static_cast<uint32_t>(first) & 0xFFFF) |
-                                              (static_cast<uint32_t>(second) << 16));
-    total = _mm256_add_epi32(total, _mm256_madd_epi16(factor[pair][h], _mm256_set1_epi32(both)));
+  for (int pair = 0; pair < count; ++pair) {
+    total = _mm256_add_epi32(total, _mm256_madd_epi16(factor[pair][h], _mm256_set1_epi32(pairs[pair])));
   }
   return total;
 }
@@ -329,16 +332,16 @@ inline void super_epilogue(const Tile& tile, int64_t b, const QuantizedRows& q, 
                            int64_t row, int h, const __m256i (*factor)[2], __m256i isum,
                            float* a) {
   const int64_t blocks = k / kSuper;
-  const int32_t* sums16 = q.sums16.get() + row * (k / kHalf) + b * (kSuper / kHalf);
+  const int32_t* pairs = q.pair_sums.get() + (row * blocks + b) * QuantizedRows::kPairSums;
   const __m256 xs = _mm256_set1_ps(q.scales256[row * blocks + b]);
   const __m256 step = _mm256_mul_ps(load_halves8(tile.scales + b * kTile + 8 * h), xs);
   if constexpr (Scheme == kSuperMin) {
-    const __m256i msum = weighted_sums(factor, h, sums16, Pairs, 2);
+    const __m256i msum = weighted_sums(factor, h, pairs, Pairs);
     const __m256 mstep = negated(_mm256_mul_ps(load_halves8(tile.offsets + b * kTile + 8 * h), xs));
     const __m256 v = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), step, _mm256_loadu_ps(a));
     _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(msum), mstep, v));
   } else {
-    const __m256i centring = weighted_sums(factor, h, sums16, Pairs, 1);
+    const __m256i centring = weighted_sums(factor, h, pairs + 4, Pairs);
     const __m256i sum = _mm256_sub_epi32(isum, _mm256_slli_epi32(centring, Bits - 1));
     _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), step, _mm256_loadu_ps(a)));
   }
