@@ -11,15 +11,17 @@
 // group's small scale (exact: at most 2 * 32,004 * 128 < 2^31). So the integer sums are
 // exact, the float arithmetic runs in the scalar order, and the bits are the scalar code's.
 //
-// Up to 3 rows (decode), a tile's two halves of 8 outputs run together, in runs of up to 2
+// Below 8 rows (decode), a tile's two halves of 8 outputs run together, in runs of up to 2
 // rows (AVX2 has 16 vector registers), so each broadcast input serves 16 outputs. At one row
 // the kernel is memory-bound, and the hardware prefetchers alone left it at about 21 GB/s on
 // a 2-core Zen 3 whose cores stream 32 GB/s: each group asks the L2 for the codes
 // `kPrefetchBytes` ahead (about 28 GB/s measured over a 1B model's shapes, `python -m
-// bench.linear_kernels`). From 4 rows on (prefill, batched decode) the kernel is
-// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`): 1.12-1.3x
-// the runs' speed at 8 to 256 rows on the 2-core Zen 3 (Q4_K, Q6_K, Q4_0 shapes of a 1B
-// model, one thread, the two builds' calls alternating).
+// bench.linear_kernels`). With more rows (prefill, batched decode) the kernel is
+// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`): on the
+// 2-core Zen 3 (one thread, the two builds' calls alternating) 1.12-1.3x the runs' speed
+// at 8 to 256 rows of a 1B model's Q4_K, Q6_K and Q4_0 shapes, 1.0-1.28x at 8 to 64 rows
+// of SmolLM2-135M's; at 4 rows decoding a tile costs more than it saves (0.93x on
+// SmolLM2's), hence `kDecodedMinRows`.
 
 #pragma once
 
@@ -35,7 +37,7 @@ namespace pagedserve_groups {
 constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
 // Calls of at least kDecodedMinRows rows run codes of 4 to 6 bits on decoded tiles, in runs
 // of kDecodedRun rows (see `decoded_tile`).
-constexpr int64_t kDecodedMinRows = 4;
+constexpr int64_t kDecodedMinRows = 8;
 constexpr int64_t kDecodedRun = 4;
 // How far ahead of the group being computed its codes are prefetched into the L2 (measured
 // at 12, 16, 24 and 32 KB on the 2-core Zen 3: 16 to 24 KB ran fastest).
