@@ -20,6 +20,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from engine.request.intake import (
     SpecialTokens,
 )
 from engine.sampling.params import SamplingParams
+from engine.sleep import SleepReport
 from engine.snapshot import EngineSnapshot, EngineStats
 
 logger = logging.getLogger(__name__)
@@ -78,8 +80,22 @@ class _Snapshot:
     reply: Future[EngineSnapshot]
 
 
+@dataclass(slots=True)
+class _Sleep:
+    level: int
+    reply: Future[SleepReport]
+
+
+@dataclass(slots=True)
+class _Wake:
+    reply: Future[None]
+
+
 class _Stop:
     pass
+
+
+_Command = _Add | _Abort | _Snapshot | _Sleep | _Wake | _Stop
 
 
 class AsyncLLM:
@@ -104,7 +120,11 @@ class AsyncLLM:
         its workers to wake up (a 2-core decode step took 1.3-1.6x as long). The intake
         thread runs no torch.
         """
-        self._commands: queue.SimpleQueue[_Add | _Abort | _Snapshot | _Stop] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        # Sleeps asked for while requests ran: applied once the engine is idle.
+        self._pending_sleeps: list[_Sleep] = []
+        self._sleep_idle_seconds = config.sleep_idle_seconds
+        self._last_active = time.monotonic()
         self._answering = True
         self._answering_lock = threading.Lock()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -173,10 +193,7 @@ class AsyncLLM:
         that thread O(num_kv_blocks). Raises EngineError once the engine loop has ended.
         """
         reply: Future[EngineSnapshot] = Future()
-        with self._answering_lock:
-            if not self._answering:
-                raise EngineError("the engine is not running")
-            self._commands.put(_Snapshot(reply))
+        self._post_with_reply(_Snapshot(reply))
         return await asyncio.wrap_future(reply)
 
     async def process(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
@@ -267,6 +284,31 @@ class AsyncLLM:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    @property
+    def sleep_level(self) -> int:
+        """0 while awake, else the level the engine sleeps at (read from any thread)."""
+        return self.engine.sleep_level
+
+    async def sleep(self, level: int) -> SleepReport:
+        """Sleep at `level` (engine/sleep.py) once the requests in flight have finished;
+        a request that arrives later wakes the engine. Check `sleep_unsupported` first."""
+        reply: Future[SleepReport] = Future()
+        self._post_with_reply(_Sleep(level, reply))
+        return await asyncio.wrap_future(reply)
+
+    async def wake_up(self) -> None:
+        """Wake the engine if it sleeps."""
+        reply: Future[None] = Future()
+        self._post_with_reply(_Wake(reply))
+        await asyncio.wrap_future(reply)
+
+    def _post_with_reply(self, command: _Snapshot | _Sleep | _Wake) -> None:
+        """Queue a command whose reply the loop answers, or fail it if the loop has ended."""
+        with self._answering_lock:
+            if not self._answering:
+                raise EngineError("the engine is not running")
+            self._commands.put(command)
+
     async def shutdown(self) -> None:
         self._commands.put(_Stop())
         await asyncio.to_thread(self._thread.join)
@@ -281,13 +323,18 @@ class AsyncLLM:
         except BaseException as exc:
             loaded.put(exc)
             return
+        # Why the engine cannot sleep (None: it can); set before the loop reads it.
+        self.sleep_unsupported = self.engine.sleep_unsupported()
         loaded.put(self.engine)
         try:
             while True:
                 idle = not self.engine.has_unfinished_requests()
+                if idle and self._pending_sleeps:
+                    self._sleep_now()
                 if not self._apply_commands(block=idle):
                     return
                 if self.engine.has_unfinished_requests():
+                    self._last_active = time.monotonic()
                     for output in self.engine.step():
                         self._deliver(output.request_id, output)
         except BaseException as exc:
@@ -308,11 +355,16 @@ class AsyncLLM:
             self._ended.set_result(self._failure)
 
     def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if `block`); False once told to stop."""
+        """Apply queued commands (waiting for one if `block`, and sleeping if none comes
+        within `sleep_idle_seconds` of the last activity); False once told to stop."""
         while True:
             try:
-                command = self._commands.get(block=block)
+                command = self._commands.get(block=block, timeout=self._idle_timeout(block))
             except queue.Empty:
+                if block:  # the idle time is up
+                    self._pending_sleeps.append(_Sleep(2, Future()))
+                    self._sleep_now()
+                    continue
                 return True
             block = False
             if isinstance(command, _Stop):
@@ -321,8 +373,44 @@ class AsyncLLM:
                 self.engine.abort_request(command.request_id)
             elif isinstance(command, _Snapshot):
                 self._answer(command.reply)
+            elif isinstance(command, _Sleep):
+                self._pending_sleeps.append(command)
+            elif isinstance(command, _Wake):
+                self.engine.wake_up()
+                self._last_active = time.monotonic()
+                if command.reply.set_running_or_notify_cancel():
+                    command.reply.set_result(None)
             elif command.request_id in self._streams:
+                self.engine.wake_up()
+                self._last_active = time.monotonic()
                 self.engine.add_request(command.request_id, command.request)
+
+    def _idle_timeout(self, block: bool) -> float | None:
+        """How long a blocking wait for a command may last before the engine sleeps; None:
+        no limit (no idle sleep, asleep already, or sleeps pending)."""
+        if not block or not self._sleep_idle_seconds or self.engine.sleep_level:
+            return None
+        if self._pending_sleeps or self.sleep_unsupported is not None:
+            return None
+        return max(0.0, self._last_active + self._sleep_idle_seconds - time.monotonic())
+
+    def _sleep_now(self) -> None:
+        """Apply the pending sleeps (the engine is idle): the deepest level asked for."""
+        pending, self._pending_sleeps = self._pending_sleeps, []
+        replies = [item.reply for item in pending if item.reply.set_running_or_notify_cancel()]
+        try:
+            report = self.engine.sleep(max(item.level for item in pending))
+        except Exception as exc:
+            logger.exception("the engine could not sleep")
+            for reply in replies:
+                reply.set_exception(exc)
+            return
+        logger.info(
+            "asleep at level %d: %.0f MiB given back in %.3f s",
+            report.level, report.released_bytes / 2**20, report.seconds,
+        )  # fmt: skip
+        for reply in replies:
+            reply.set_result(report)
 
     def _answer(self, reply: Future[EngineSnapshot]) -> None:
         # A caller that went away has cancelled its reply. A snapshot is only a view: its
@@ -337,15 +425,21 @@ class AsyncLLM:
             reply.set_result(snapshot)
 
     def _stop_answering(self) -> None:
-        """Refuse snapshots from now on and fail those still queued (the loop has ended)."""
+        """Refuse commands that await a reply from now on, and fail those still queued or
+        pending (the loop has ended)."""
         with self._answering_lock:
             self._answering = False
+        waiting: list[_Snapshot | _Sleep | _Wake] = list(self._pending_sleeps)
+        self._pending_sleeps = []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
-                return
-            if isinstance(command, _Snapshot) and command.reply.set_running_or_notify_cancel():
+                break
+            if isinstance(command, _Snapshot | _Sleep | _Wake):
+                waiting.append(command)
+        for command in waiting:
+            if command.reply.set_running_or_notify_cancel():
                 command.reply.set_exception(EngineError("the engine is not running"))
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:

@@ -184,6 +184,13 @@ class EngineConfig(BaseModel):
         '"endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
     )
 
+    # Sleep (engine/sleep.py, docs/sleep.md): after this many seconds without a request the
+    # engine sleeps at level 2 (the KV cache's and the file-mapped weights' pages given
+    # back); the next request wakes it, /health does not. 0: never.
+    sleep_idle_seconds: float = Field(
+        0, ge=0, description="seconds without a request before the engine sleeps; 0: never"
+    )
+
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
     # the field and the setting.

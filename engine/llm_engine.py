@@ -21,7 +21,7 @@ from cache import (
     extend_block_hashes,
     profile_num_blocks,
 )
-from engine import capabilities
+from engine import capabilities, sleep
 from engine.capabilities import StepPath
 from engine.config import ConfigError, EngineConfig, cache_root
 from engine.kv_tier import KVTier
@@ -38,6 +38,7 @@ from engine.request.intake import EngineRequest, RequestProcessor
 from engine.request.state import RequestState, SampleState
 from engine.sampling.params import resolve_defaults
 from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from engine.sleep import SleepReport
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
 from engine.speculative.speculator import Speculator, generator_states, rewind, sampling_rows
 from scheduler import FinishReason, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
@@ -191,6 +192,7 @@ class LLMEngine:
         self._generation_tokens_total = 0
         self.async_scheduling = self._schedules_ahead(config)
         self._launched: _Launched | None = None
+        self.sleep_level = 0  # 0: awake; else the level of the last `sleep`
         logger.info(
             "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
             "attention %s, %s steps, async scheduling %s",
@@ -552,6 +554,38 @@ class LLMEngine:
         if self.events is not None:
             self.events.close()
 
+    # -- sleep ------------------------------------------------------------------------
+
+    def sleep_unsupported(self) -> str | None:
+        """Why this engine cannot sleep, or None if it can."""
+        if self.device.type != "cpu":
+            return f"sleep mode runs on the CPU; this engine runs on {self.device.type}"
+        if not sleep.supported():
+            return "sleep mode needs Linux (madvise and /proc/self)"
+        return None
+
+    def sleep(self, level: int) -> SleepReport:
+        """Give memory back while idle (see engine/sleep.py): level 1 the KV cache's pages,
+        level 2 also the file-mapped weights' pages. The prefix cache is forgotten first
+        (its KV is gone; a disk tier keeps its own). Call it with no unfinished request;
+        nothing needs undoing to serve again (`wake_up`)."""
+        assert not self.has_unfinished_requests() and self.sleep_unsupported() is None
+        if level not in (1, 2):
+            raise ValueError(f"sleep level {level} is none of 1 and 2")
+        started, before = time.monotonic(), sleep.resident_bytes()
+        self.scheduler.reset_prefix_cache()
+        if self.events is not None:
+            self._publish_events()
+        sleep.release_tensor(self.runner.kv_cache)
+        if level == 2:
+            sleep.release_mappings(sleep.weight_mappings(self.model))
+        self.sleep_level = level
+        return SleepReport(level, before - sleep.resident_bytes(), time.monotonic() - started)
+
+    def wake_up(self) -> None:
+        """Serve again after `sleep`: released pages come back as steps touch them."""
+        self.sleep_level = 0
+
     def _launch(self, touched: dict[str, RequestState]) -> _Launched | None:
         """Schedule a batch and start its forward (on CUDA it runs on while the host goes
         on); None when nothing is scheduled or the forward failed at once."""
@@ -757,6 +791,7 @@ class LLMEngine:
             external_prefix_cache_queries=self.scheduler.tier_queries,
             external_prefix_cache_hits=self.scheduler.tier_hits,
             tier=None if self.tier is None else self.tier.stats(),
+            sleep_level=self.sleep_level,
         )
 
     def sequences_by_priority(self) -> dict[str, dict[int, int]]:

@@ -18,7 +18,8 @@ class EngineStats:
     """A snapshot for metrics; token counts are totals since start. `speculation` is
     None when speculative decoding is off, `tier` when no KV tier is. The external prefix
     cache (vLLM's name for a tier below the KV tensor) counts, in tokens, the prompts that
-    looked in the tier and what was loaded from it."""
+    looked in the tier and what was loaded from it. `sleep_level`: 0 awake, else the level
+    the engine sleeps at (engine/sleep.py)."""
 
     num_running: int
     num_waiting: int
@@ -36,6 +37,7 @@ class EngineStats:
     external_prefix_cache_queries: int = 0
     external_prefix_cache_hits: int = 0
     tier: TierStats | None = None
+    sleep_level: int = 0  # 0: awake
 
 
 @dataclass(slots=True, frozen=True)

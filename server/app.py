@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import SETTINGS_ERRORS
-from server import capabilities, chat, completions, info, responses, tokenization
+from server import capabilities, chat, completions, info, responses, sleep, tokenization
 from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import RequestIdMiddleware, install_error_handlers
@@ -76,6 +76,7 @@ def build_app(
     app.include_router(messages.router)
     app.include_router(tokenization.router)
     app.include_router(responses.router)
+    app.include_router(sleep.router)
     capabilities.install_dashboard(app)
     return app
 

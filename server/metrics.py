@@ -79,6 +79,10 @@ class EngineStatsCollector(Collector):
                 "Free KV-cache blocks that still hold a prefix a later request can reuse.",
                 stats.cached_free_kv_blocks,
             ),
+            "sleep_level": (
+                "0 while awake, else the level the engine sleeps at.",
+                stats.sleep_level,
+            ),
         }
         for name, (documentation, value) in gauges.items():
             yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
