@@ -35,8 +35,9 @@ def rss_mib(pid: int) -> float:
 
 
 def request_seconds(url: str, rng: random.Random, words: int) -> float:
+    model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
     prompt = " ".join(rng.choice(WORDS) for _ in range(words))
-    body = {"model": "default", "prompt": prompt, "max_tokens": 16, "temperature": 0}
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0}
     started = time.perf_counter()
     response = httpx.post(f"{url}/v1/completions", json=body, timeout=600)
     response.raise_for_status()
