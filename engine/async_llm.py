@@ -109,6 +109,7 @@ class AsyncLLM:
     """
 
     engine: LLMEngine  # set by the engine thread before it reports the engine loaded
+    sleep_unsupported: str | None  # why the engine cannot sleep; set with `engine`
 
     def __init__(self, config: EngineConfig) -> None:
         """Start the engine thread, let it load the model, and return once it is serving.
@@ -323,7 +324,6 @@ class AsyncLLM:
         except BaseException as exc:
             loaded.put(exc)
             return
-        # Why the engine cannot sleep (None: it can); set before the loop reads it.
         self.sleep_unsupported = self.engine.sleep_unsupported()
         loaded.put(self.engine)
         try:
