@@ -18,9 +18,9 @@
 // `kPrefetchBytes` ahead (about 28 GB/s measured over a 1B model's shapes, `python -m
 // bench.linear_kernels`). With more rows (prefill, batched decode) the kernel is
 // compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`): on the
-// 2-core Zen 3 (one thread, the two builds' calls alternating) 1.12-1.3x the runs' speed
-// at 8 to 256 rows of a 1B model's Q4_K, Q6_K and Q4_0 shapes, 1.0-1.28x at 8 to 64 rows
-// of SmolLM2-135M's; at 4 rows decoding a tile costs more than it saves (0.93x on
+// 2-core Zen 3 (one thread, the two builds' calls alternating) 1.03-1.46x the runs' speed
+// at 8 to 256 rows of a 1B model's Q4_K, Q6_K and Q4_0 shapes, 1.01-1.29x at 8 to 64 rows
+// of SmolLM2-135M's; at 4 rows decoding a tile cost more than it saved (0.93x on
 // SmolLM2's), hence `kDecodedMinRows`.
 
 #pragma once
