@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import httpx
+import psutil
 
 from bench.kv_tier import start_server
 from bench.run_all import stop_server
@@ -28,10 +29,7 @@ from bench.tables import format_table, free_port
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return 0.0
+    return psutil.Process(pid).memory_info().rss / 2**20
 
 
 def request_seconds(url: str, rng: random.Random, words: int) -> float:

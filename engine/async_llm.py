@@ -376,14 +376,17 @@ class AsyncLLM:
             elif isinstance(command, _Sleep):
                 self._pending_sleeps.append(command)
             elif isinstance(command, _Wake):
-                self.engine.wake_up()
-                self._last_active = time.monotonic()
+                self._wake()
                 if command.reply.set_running_or_notify_cancel():
                     command.reply.set_result(None)
             elif command.request_id in self._streams:
-                self.engine.wake_up()
-                self._last_active = time.monotonic()
+                self._wake()
                 self.engine.add_request(command.request_id, command.request)
+
+    def _wake(self) -> None:
+        """Wake the engine (if it sleeps) and restart the idle clock."""
+        self.engine.wake_up()
+        self._last_active = time.monotonic()
 
     def _idle_timeout(self, block: bool) -> float | None:
         """How long a blocking wait for a command may last before the engine sleeps; None:

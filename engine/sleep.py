@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import psutil
 import torch
 from torch import nn
 
@@ -62,11 +63,8 @@ def supported() -> bool:
 
 
 def resident_bytes() -> int:
-    """This process's resident set (VmRSS) in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
+    """This process's resident set in bytes."""
+    return psutil.Process().memory_info().rss
 
 
 def release_tensor(tensor: torch.Tensor) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.server.conftest import engine_metrics
@@ -40,10 +41,7 @@ def answer(result: dict[str, Any]) -> tuple:
 
 
 def rss(process: subprocess.Popen) -> int:
-    for line in Path(f"/proc/{process.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    return psutil.Process(process.pid).memory_info().rss
 
 
 def is_sleeping(url: str) -> bool:
