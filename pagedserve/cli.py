@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -19,7 +20,13 @@ from typing import Any, Literal, NoReturn, get_args, get_origin
 import uvicorn
 
 from engine.config import ConfigError
-from server.config import DEFAULT_PRESET, LOG_FORMAT, ServeConfig, resolve_serve_config
+from server.config import (
+    DEFAULT_PRESET,
+    LOG_FORMAT,
+    ServeConfig,
+    ServedModelConfig,
+    resolve_serve_config,
+)
 from server.response_store import ResponseStoreError, connect
 
 USAGE_ERROR = 2
@@ -89,6 +96,8 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
     """--config and one flag per ServeConfig setting."""
     parser.add_argument("--config", metavar="FILE", help="a YAML file of settings")
     for name, info in ServeConfig.model_fields.items():
+        if name == "models":  # given as --model NAME=SOURCE, repeated
+            continue
         flag = "--" + name.replace("_", "-")
         help_text = info.description or ""
         if info.default is not None and "default" not in help_text:
@@ -99,6 +108,12 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
             )
             continue
         options: dict[str, Any] = {"default": None, "help": help_text}
+        if name == "model":
+            options["action"] = "append"
+            options["help"] = (
+                "the model: 'default', a folder, a .gguf file or a hub id; repeated as "
+                "NAME=SOURCE, several models served by name"
+            )
         if get_origin(info.annotation) is Literal:
             options["choices"] = get_args(info.annotation)
         else:
@@ -122,8 +137,9 @@ def _number(kind: Callable[[str], float], *, positive: bool) -> Callable[[str], 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {name: getattr(args, name) for name in ServeConfig.model_fields}
+    overrides = {name: getattr(args, name, None) for name in ServeConfig.model_fields}
     try:
+        overrides |= models_from_flags(args.model or [])
         config = resolve_serve_config(args.config, overrides, os.environ)
     except ConfigError as exc:
         return _usage_error(exc)
@@ -136,7 +152,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         # Fail before the server starts for the common mistake of a wrong model path; the
         # background load reports anything found later (the server then exits, code 2).
-        resolve_model_folder(config.model)
+        entries: list[ServedModelConfig | None] = [*(config.models or [])] or [None]
+        for entry in entries:
+            resolve_model_folder(config.engine_config(entry).model)
     except ModelLoadError as exc:
         return _usage_error(exc)
     try:
@@ -144,6 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ResponseStoreError as exc:
         return _usage_error(exc)
     if args.command == "ray-serve":
+        if config.models is not None or math.isfinite(config.keep_alive):
+            return _usage_error(
+                ConfigError("ray-serve's replicas serve one model each, loaded for good: "
+                            "models and keep_alive are for pagedserve serve")
+            )  # fmt: skip
         # The one place the server reaches up into the scale-out layer: its command line.
         try:
             from scale_out.launch import ScaleOut, serve_replicas
@@ -155,6 +178,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         scale_out = ScaleOut(args.replicas, args.replica_cpus, args.replica_gpus, args.routing)
         return serve_replicas(config, scale_out)
     return serve(config)
+
+
+def models_from_flags(values: list[str]) -> dict[str, Any]:
+    """The `--model` flags as settings: one SOURCE is `model`; NAME=SOURCE ones (a NAME
+    holds no '/') are the entries of `models`."""
+    named = [value.partition("=") for value in values]
+    entries = [(name, source) for name, eq, source in named if eq and name and "/" not in name]
+    if not entries:
+        if len(values) > 1:
+            raise ConfigError("--model is given more than once: name each model, NAME=SOURCE")
+        return {"model": values[0]} if values else {}
+    if len(entries) < len(values):
+        raise ConfigError("--model: name every model (NAME=SOURCE) when serving several")
+    return {"model": None, "models": [{"name": name, "model": source} for name, source in entries]}
 
 
 def _usage_error(exc: Exception) -> int:

@@ -59,18 +59,17 @@ class EngineReplica:
         self._lifespan = contextlib.AsyncExitStack()
         await self._lifespan.enter_async_context(self._app.router.lifespan_context(self._app))
         state: ServerState = self._app.state.server
-        while state.llm is None and state.load_error is None:
+        model = state.models.first
+        while model.llm is None and model.load_error is None:
             await asyncio.sleep(0.05)
-        if state.llm is None:
+        if model.llm is None:
             await self._lifespan.aclose()
-            raise RuntimeError(f"the engine failed to load: {state.load_error}")
+            raise RuntimeError(f"the engine failed to load: {model.load_error}")
         self._state = state
-        self._llm = state.llm
+        self._llm = llm = model.llm
         # Copied before any request runs, so never while the engine thread decodes with it.
         self._rendering = PromptRendering(
-            copy.deepcopy(state.llm.engine.tokenizer),
-            state.llm.engine.vocab_size,
-            state.llm.max_model_len,
+            copy.deepcopy(llm.engine.tokenizer), llm.engine.vocab_size, llm.max_model_len
         )
 
     async def handle_http(self, request: ForwardedRequest) -> AsyncGenerator[Message, None]:

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
-from server.admission import Deadline
 from server.auth import require_api_key
 from server.conversation import CallStream, OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
@@ -44,10 +43,8 @@ from server.protocol import (
     Usage,
 )
 from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
-from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput, TokenLogprobs
     from engine.request.intake import EngineRequest
 
@@ -57,8 +54,8 @@ _FIELDS = set(ChatCompletionRequest.model_fields)
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    handling = Handling.begin(request, body.model)
-    state, llm = handling.state, handling.llm
+    handling = await Handling.begin(request, body.model, body.keep_alive)
+    llm = handling.llm
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid_request("top_logprobs needs logprobs set to true", "top_logprobs")
     # max_completion_tokens is OpenAI's newer name for max_tokens and wins when both are set.
@@ -70,7 +67,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.max_completion_tokens is not None:
         aliases["max_tokens"] = "max_completion_tokens"
     handling.check_tool_count(len(body.tools or ()))
-    reasoning = state.reasoning_syntax()
+    reasoning = handling.reasoning_syntax()
     with user_errors(_FIELDS, aliases=aliases):
         params = body.sampling_params(
             max_tokens=max_tokens,
@@ -79,9 +76,11 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             prompt_logprobs=body.prompt_logprobs,
         )
         tools = ToolRequest.of(body)
-        conversation = render(body.messages, tools, body.chat_template_kwargs, state.tool_calling)
+        conversation = render(
+            body.messages, tools, body.chat_template_kwargs, handling.model.tool_calling
+        )
         prompt = await handling.chat_prompt(params, conversation, reasoning, aliases)
-    chat = _Chat(state, llm, body, prompt, conversation.tools, reasoning, handling.deadline)
+    chat = _Chat(handling, body, prompt, conversation.tools, reasoning)
     if body.stream:
         return handling.stream(prompt.params.n, chat.events)
     return json_response(chat.response(await handling.run(prompt.params.n, chat.run)))
@@ -93,20 +92,16 @@ class _Chat:
     `reasoning`: how the model reasons (None: all of its text is the answer); tool calls
     are read from the answer only."""
 
-    state: ServerState
-    llm: AsyncLLM
+    handling: Handling
     body: ChatCompletionRequest
     prompt: EngineRequest
     tools: OfferedTools | None
     reasoning: ReasoningSyntax | None
-    deadline: Deadline | None
     request_id: str = field(default_factory=lambda: new_request_id("chatcmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> RequestOutput:
-        finals = await final_outputs(
-            self.state, self.llm, [self.prompt], self.request_id, self.deadline
-        )
+        finals = await final_outputs(self.handling, [self.prompt], self.request_id)
         return finals[0]
 
     def response(self, final: RequestOutput) -> ChatCompletionResponse:
@@ -134,7 +129,7 @@ class _Chat:
         return ChatCompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             choices=choices,
             usage=count_usage([final]),
             prompt_logprobs=None
@@ -154,9 +149,7 @@ class _Chat:
         streams = self._tool_streams()
         thoughts = self._reasoning_streams()
         try:
-            async for _, output, latest in generate(
-                self.state, self.llm, [self.prompt], self.request_id, self.deadline
-            ):
+            async for _, output, latest in generate(self.handling, [self.prompt], self.request_id):
                 whole = latest
                 for completion in output.outputs:
                     if completion.index in finished:
@@ -239,7 +232,7 @@ class _Chat:
         return ChatCompletionChunk(
             id=self.request_id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             choices=[] if choice is None else [choice],
             usage=usage,
         )

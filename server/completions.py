@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING
 from fastapi import APIRouter, Depends, Request, Response
 
 from engine.errors import EngineError
-from server.admission import Deadline
 from server.auth import require_api_key
 from server.errors import OpenAIError, engine_failure, error_body, user_errors
 from server.handling import (
@@ -40,10 +39,8 @@ from server.protocol import (
     CompletionResponse,
     Usage,
 )
-from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
@@ -54,8 +51,8 @@ _FIELDS = set(CompletionRequest.model_fields)
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    handling = Handling.begin(request, body.model)
-    state, llm, deadline = handling.state, handling.llm, handling.deadline
+    handling = await Handling.begin(request, body.model, body.keep_alive)
+    llm = handling.llm
     with user_errors(_FIELDS, aliases=body.error_aliases()):
         params = body.sampling_params(
             max_tokens=1 if body.echo_only else body.max_tokens,
@@ -75,7 +72,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     first_tokens = []
     if body.echo and body.logprobs is not None:
         first_tokens = [await llm.decode(prompt.prompt_token_ids[:1]) for prompt in prompts]
-    completion = _Completion(state, llm, body, params, prompts, prefixes, deadline, first_tokens)
+    completion = _Completion(handling, body, params, prompts, prefixes, first_tokens)
     samples = len(prompts) * params.n
     if body.stream:
         return handling.stream(samples, completion.events)
@@ -88,21 +85,17 @@ class _Completion:
     the prompt's text when echoing, else empty. `deadline` ends it early (a 504).
     `first_tokens[p]`, with echo and logprobs, is the text of prompt p's first token."""
 
-    state: ServerState
-    llm: AsyncLLM
+    handling: Handling
     body: CompletionRequest
     params: SamplingParams
     prompts: list[EngineRequest]
     prefixes: list[str]
-    deadline: Deadline | None
     first_tokens: list[str]
     request_id: str = field(default_factory=lambda: new_request_id("cmpl"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> list[RequestOutput]:
-        return await final_outputs(
-            self.state, self.llm, self.prompts, self.request_id, self.deadline
-        )
+        return await final_outputs(self.handling, self.prompts, self.request_id)
 
     def response(self, finals: list[RequestOutput]) -> CompletionResponse:
         if self.body.echo_only:
@@ -158,7 +151,7 @@ class _Completion:
         finished: set[int] = set()
         try:
             async for prompt_index, output, whole in generate(
-                self.state, self.llm, self.prompts, self.request_id, self.deadline
+                self.handling, self.prompts, self.request_id
             ):
                 wholes[prompt_index] = whole
                 for completion in output.outputs:
@@ -194,7 +187,7 @@ class _Completion:
         return CompletionResponse(
             id=self.request_id,
             created=self.created,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             choices=choices,
             usage=usage,
         )

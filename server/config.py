@@ -7,11 +7,23 @@ environment variables, the command line.
 
 from __future__ import annotations
 
+import json
+import math
+import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from engine.config import ENV_PREFIX, EngineConfig, cache_root, load_config
 
@@ -32,6 +44,59 @@ DEFAULT_PRESET: dict[str, Any] = {
         "disable_by_batch_size": 4,
     },
 }
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?)(ms|s|m|h)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: object) -> float:
+    """Ollama's `keep_alive` in seconds: a number of seconds or a duration such as '5m',
+    '1h30m' or '500ms'; a negative one is for ever (`math.inf`), 0 unloads at once."""
+    if isinstance(value, bool):
+        raise ValueError("a number of seconds or a duration such as '5m'")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str) and value.strip():
+        text = value.strip()
+        sign, text = (-1.0, text[1:]) if text.startswith("-") else (1.0, text)
+        try:
+            seconds = sign * float(text)
+        except ValueError:
+            parts = _DURATION.findall(text)
+            if "".join(number + unit for number, unit in parts) != text:
+                raise ValueError(
+                    f"'{value}' is neither seconds nor a duration such as '5m' or '1h30m'"
+                ) from None
+            seconds = sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    else:
+        raise ValueError("a number of seconds or a duration such as '5m'")
+    if math.isnan(seconds):
+        raise ValueError("not a number")
+    return math.inf if seconds < 0 else seconds
+
+
+KeepAlive = Annotated[float, BeforeValidator(keep_alive_seconds)]
+
+
+class ServedModelConfig(BaseModel):
+    """One entry of `models`: the name requests use, the model (as the `model` setting
+    takes it), how long it stays loaded idle, and any engine setting it sets apart from
+    the server's (`kv_cache_memory`, `quantization`, ...)."""
+
+    model_config = ConfigDict(extra="allow", frozen=True)
+
+    name: str = Field(min_length=1, pattern=r"^[^=\s]+$")
+    model: str = Field(min_length=1)
+    keep_alive: KeepAlive | None = None
+
+    @model_validator(mode="after")
+    def _engine_settings_only(self) -> ServedModelConfig:
+        settings = set(EngineConfig.model_fields) - {"model"}
+        unknown = sorted(set(self.model_extra or {}) - settings)
+        if unknown:
+            raise ValueError(f"'{unknown[0]}' is not an engine setting a model may set")
+        return self
 
 
 # The log lines of a server process and of each Ray Serve replica.
@@ -90,6 +155,28 @@ class ServeConfig(EngineConfig):
         "may shorten it with X-Request-Timeout; default: none",
     )
 
+    # Several models in one server (server/model_pool.py, docs/models.md).
+    models: list[ServedModelConfig] | None = Field(
+        None,
+        description="several models, each {name, model, keep_alive, engine settings}, "
+        "routed by a request's `model` (docs/models.md); on the command line --model "
+        "NAME=SOURCE, repeated; in the environment a JSON list",
+    )
+    keep_alive: KeepAlive = Field(
+        math.inf,
+        description="how long a model stays loaded after its last request: seconds or a "
+        "duration such as '5m'; 0: unloaded after each request; default: -1, for ever",
+    )
+    max_loaded_models: int | None = Field(
+        None,
+        gt=0,
+        description="models loaded at once, at most; loading one more unloads the least "
+        "recently used idle one; default: no limit but memory",
+    )
+    autoload: bool = Field(
+        True, description="load a model on its first request (else only by /models/load)"
+    )
+
     max_tools: int = Field(
         128,
         gt=0,
@@ -120,6 +207,38 @@ class ServeConfig(EngineConfig):
             raise ValueError(f"{value} holds no key")
         return value
 
+    @field_validator("models", mode="before")
+    @classmethod
+    def _models_from_json(cls, value: object) -> object:
+        # The environment gives a JSON list as text.
+        if isinstance(value, str):
+            try:
+                return json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"not a JSON list: {exc}") from None
+        return value
+
+    @model_validator(mode="after")
+    def _models_are_distinct_and_valid(self) -> ServeConfig:
+        if self.models is None:
+            return self
+        if not self.models:
+            raise ValueError("models must name at least one model")
+        if {"model", "served_model_name"} & self.model_fields_set:
+            raise ValueError("models names each model: give model or models, not both")
+        names = [entry.name for entry in self.models]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(f"models names '{repeated[0]}' twice")
+        for entry in self.models:
+            try:
+                self.engine_config(entry)
+            except ValidationError as exc:
+                error = exc.errors()[0]
+                key = ".".join(str(part) for part in error["loc"])
+                raise ValueError(f"model '{entry.name}': '{key}': {error['msg']}") from None
+        return self
+
     def api_keys(self) -> list[str]:
         """Every accepted API key (reads `api_key_file`); none: the API is open."""
         keys = [self.api_key] if isinstance(self.api_key, SecretStr) else self.api_key or []
@@ -130,9 +249,13 @@ class ServeConfig(EngineConfig):
         """Where stored responses are kept (`response_store`, else under the cache)."""
         return self.response_store or cache_root() / "responses.sqlite3"
 
-    def engine_config(self) -> EngineConfig:
-        """The engine's share of the settings, as the engine's own type."""
-        return EngineConfig(**{key: getattr(self, key) for key in EngineConfig.model_fields})
+    def engine_config(self, entry: ServedModelConfig | None = None) -> EngineConfig:
+        """The engine's share of the settings, as the engine's own type; for an entry of
+        `models`, the server's with the entry's model and settings over them."""
+        values = {key: getattr(self, key) for key in EngineConfig.model_fields}
+        if entry is not None:
+            values |= (entry.model_extra or {}) | {"model": entry.model}
+        return EngineConfig(**values)
 
 
 def read_key_file(path: Path) -> list[str]:
@@ -151,8 +274,11 @@ def resolve_serve_config(
 ) -> ServeConfig:
     """Build the ServeConfig for `pagedserve serve`; raises ConfigError naming a bad key."""
     layered: dict[str, Any] = {}
-    env_model = environ.get(ENV_PREFIX + "MODEL")
-    if config_path is None and overrides.get("model") is None and env_model is None:
+    named = any(
+        overrides.get(key) is not None or ENV_PREFIX + key.upper() in environ
+        for key in ("model", "models")
+    )
+    if config_path is None and not named:
         # The preset sits where a config file would: below the environment.
         layered.update(
             (key, value)

@@ -2,8 +2,9 @@
 and its epilogue.
 
 Chat completions, completions, Anthropic's messages and the Responses API differ in their
-request and reply shapes only. Each begins with `Handling.begin` (the engine, or a 503;
-the model, or a 404; the request's deadline), checks the tools' count, builds a
+request and reply shapes only. Each begins with `Handling.begin` (the request's deadline;
+its model, or a 404, loaded if need be and held until the response is sent; its engine,
+or a 503), checks the tools' count, builds a
 chat-shaped prompt from its `Conversation` (server/conversation.py) with `chat_prompt`
 (the grammar of tool calls or structured outputs held to the answer after any reasoning,
 the prompt rendered by the chat template or forwarded by the scale-out ingress), and
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
     from server.conversation import Conversation
+    from server.model_pool import ServedModel
 
 
 T = TypeVar("T")
@@ -68,20 +70,33 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, slots=True)
 class Handling:
-    """One request being handled: the server's state, its ready engine, its deadline."""
+    """One request being handled: the server's state, its model (held until the response
+    is sent) and that model's ready engine, its deadline."""
 
     request: Request
     state: ServerState
+    model: ServedModel
     llm: AsyncLLM
     deadline: Deadline | None
 
     @classmethod
-    def begin(cls, request: Request, model: str) -> Handling:
-        """A 503 while the engine is not ready, a 404 for another model's name."""
+    async def begin(cls, request: Request, model: str, keep_alive: float | None = None) -> Handling:
+        """The model named `model`, loaded first if need be: a 404 for a name the server
+        does not serve, a 503 while a single model first loads or once its engine died.
+        `keep_alive`: the request's, which becomes the model's."""
         state = server_state(request)
-        llm = state.ready_llm()
-        state.check_model(model)
-        return cls(request, state, llm, request_deadline(state.config, request))
+        deadline = request_deadline(state.config, request)
+        served = await state.models.lease(request, model, keep_alive, deadline)
+        return cls(request, state, served, served.ready_llm(), deadline)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses carry: the model's served name."""
+        return self.model.name
+
+    def reasoning_syntax(self) -> ReasoningSyntax | None:
+        """How the model reasons (the `reasoning_parser` setting); None: it does not."""
+        return self.model.reasoning_syntax(self.state.config.reasoning_parser)
 
     def check_tool_count(self, count: int) -> None:
         """A 400 naming `tools` past the server's `max_tools`."""
@@ -191,21 +206,23 @@ def new_request_id(prefix: str) -> str:
 
 
 async def generate(
-    state: ServerState,
-    llm: AsyncLLM,
-    requests: Sequence[EngineRequest],
-    request_id: str,
-    deadline: Deadline | None = None,
+    handling: Handling, requests: Sequence[EngineRequest], request_id: str
 ) -> AsyncGenerator[tuple[int, RequestOutput, RequestOutput], None]:
     """Yield `(prompt index, output, whole)` as any prompt progresses: `output` holds the
     deltas, `whole` that prompt's output so far. Records each prompt's TTFT at its first
     token, finished requests' other latencies, and their sequences for the drain rate.
 
     Closing this generator aborts every prompt's engine request that has not finished. So
-    does `deadline` passing while it waits for the engine; it then raises the 504 of
-    `deadline_exceeded` (the time a consumer spends between items counts, but the check
-    is made when it asks for the next one).
+    does the request's deadline passing while it waits for the engine; it then raises the
+    504 of `deadline_exceeded` (the time a consumer spends between items counts, but the
+    check is made when it asks for the next one).
     """
+    state, llm, deadline, name = (
+        handling.state,
+        handling.llm,
+        handling.deadline,
+        handling.model_name,
+    )
     streams = [llm.generate(request, f"{request_id}-{i}") for i, request in enumerate(requests)]
     wholes: dict[int, RequestOutput] = {}
     first_tokens: set[int] = set()  # the prompts whose TTFT is recorded
@@ -227,9 +244,9 @@ async def generate(
                 whole.add(output)
             if index not in first_tokens and whole.metrics.first_token_time is not None:
                 first_tokens.add(index)
-                state.metrics.observe_first_token(whole)
+                state.metrics.observe_first_token(name, whole)
             if output.finished:
-                state.metrics.observe_finished(whole)
+                state.metrics.observe_finished(name, whole)
                 state.admission.record_finished(len(whole.outputs))
             yield index, output, whole
 
@@ -247,15 +264,11 @@ async def _next_before(items: AsyncIterator[T], deadline: Deadline | None) -> T:
 
 
 async def final_outputs(
-    state: ServerState,
-    llm: AsyncLLM,
-    requests: Sequence[EngineRequest],
-    request_id: str,
-    deadline: Deadline | None = None,
+    handling: Handling, requests: Sequence[EngineRequest], request_id: str
 ) -> list[RequestOutput]:
     """Each prompt's whole (finished) output, in prompt order."""
     wholes: dict[int, RequestOutput] = {}
-    async for index, _, whole in generate(state, llm, requests, request_id, deadline):
+    async for index, _, whole in generate(handling, requests, request_id):
         wholes[index] = whole
     return [wholes[i] for i in range(len(requests))]
 

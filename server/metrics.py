@@ -4,10 +4,11 @@ Engine gauges and counters are read from `llm.stats()` at scrape time, so they c
 disagree with the engine; latency histograms are observed by the server when a request
 finishes, from the timestamps in its `RequestOutput.metrics`.
 
-Once a model is loaded, the series that vLLM also reports are exported a second time under
-vLLM's names (`VLLM_TWINS`), labelled `model_name` with the served name, so that dashboards
-and autoscalers written for vLLM work unchanged. A twin is a relabelled copy of its
-pagedserve family from the same scrape, never a separate measurement.
+Every series of a model is labelled `model_name` with its served name, as vLLM labels its
+own. The series that vLLM also reports are exported a second time under vLLM's names
+(`VLLM_TWINS`), so that dashboards and autoscalers written for vLLM work unchanged. A twin
+is a renamed copy of its pagedserve family from the same scrape, never a separate
+measurement.
 """
 
 from __future__ import annotations
@@ -60,58 +61,69 @@ VLLM_TWINS = {
 
 
 class EngineStatsCollector(Collector):
-    """Exports one `EngineStats` snapshot per scrape; nothing while no engine is loaded."""
+    """Exports each loaded model's `EngineStats` per scrape, its samples labelled
+    `model_name`; nothing while no model is loaded."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], Sequence[tuple[str, EngineStats]]]) -> None:
         self._stats = stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self._stats()
-        if stats is None:
-            return
-        gauges = {
-            "num_requests_running": ("Requests being computed.", stats.num_running),
-            "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting),
-            "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use (0..1).", stats.kv_usage),
-            "kv_cache_used_blocks": ("KV-cache blocks held by requests.", stats.used_kv_blocks),
-            "kv_cache_blocks": ("KV-cache blocks in total.", stats.num_kv_blocks),
-            "kv_cache_cached_free_blocks": (
-                "Free KV-cache blocks that still hold a prefix a later request can reuse.",
-                stats.cached_free_kv_blocks,
-            ),
-            "sleep_level": (
-                "0 while awake, else the level the engine sleeps at.",
-                stats.sleep_level,
-            ),
-        }
-        for name, (documentation, value) in gauges.items():
-            yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
-        counters = {
-            "prefix_cache_queries": (
-                "Prompt tokens looked up in the prefix cache.",
-                stats.prefix_cache_queries,
-            ),
-            "prefix_cache_hits": (
-                "Prompt tokens served from the prefix cache.",
-                stats.prefix_cache_hits,
-            ),
-            "prefix_cache_evictions": (
-                "Cached prefix blocks dropped because their block was taken for new use.",
-                stats.prefix_cache_evictions,
-            ),
-            "prompt_tokens": (
-                "Prompt tokens computed or served from the cache.",
-                stats.prompt_tokens_total,
-            ),
-            "generation_tokens": ("Tokens generated.", stats.generation_tokens_total),
-            "num_preemptions": ("Requests preempted for lack of KV blocks.", stats.num_preemptions),
-        }
-        for name, (documentation, value) in counters.items():
-            yield CounterMetricFamily(PREFIX + name, documentation, value=value)
-        if stats.speculation is not None:
-            yield from _speculation_counters(stats.speculation)
-        if stats.tier is not None:
-            yield from _tier_metrics(stats)
+        merged: dict[str, Metric] = {}
+        for model_name, stats in self._stats():
+            for family in _engine_families(stats):
+                into = merged.setdefault(
+                    family.name,
+                    Metric(family.name, family.documentation, family.type, family.unit),
+                )
+                into.samples += [
+                    sample._replace(labels={"model_name": model_name} | sample.labels)
+                    for sample in family.samples
+                ]
+        yield from merged.values()
+
+
+def _engine_families(stats: EngineStats) -> Iterator[Metric]:
+    """One engine's families, unlabelled by model."""
+    gauges = {
+        "num_requests_running": ("Requests being computed.", stats.num_running),
+        "num_requests_waiting": ("Requests waiting to be scheduled.", stats.num_waiting),
+        "kv_cache_usage_ratio": ("Fraction of KV-cache blocks in use (0..1).", stats.kv_usage),
+        "kv_cache_used_blocks": ("KV-cache blocks held by requests.", stats.used_kv_blocks),
+        "kv_cache_blocks": ("KV-cache blocks in total.", stats.num_kv_blocks),
+        "kv_cache_cached_free_blocks": (
+            "Free KV-cache blocks that still hold a prefix a later request can reuse.",
+            stats.cached_free_kv_blocks,
+        ),
+        "sleep_level": ("0 while awake, else the level the engine sleeps at.", stats.sleep_level),
+    }
+    for name, (documentation, value) in gauges.items():
+        yield GaugeMetricFamily(PREFIX + name, documentation, value=value)
+    counters = {
+        "prefix_cache_queries": (
+            "Prompt tokens looked up in the prefix cache.",
+            stats.prefix_cache_queries,
+        ),
+        "prefix_cache_hits": (
+            "Prompt tokens served from the prefix cache.",
+            stats.prefix_cache_hits,
+        ),
+        "prefix_cache_evictions": (
+            "Cached prefix blocks dropped because their block was taken for new use.",
+            stats.prefix_cache_evictions,
+        ),
+        "prompt_tokens": (
+            "Prompt tokens computed or served from the cache.",
+            stats.prompt_tokens_total,
+        ),
+        "generation_tokens": ("Tokens generated.", stats.generation_tokens_total),
+        "num_preemptions": ("Requests preempted for lack of KV blocks.", stats.num_preemptions),
+    }
+    for name, (documentation, value) in counters.items():
+        yield CounterMetricFamily(PREFIX + name, documentation, value=value)
+    if stats.speculation is not None:
+        yield from _speculation_counters(stats.speculation)
+    if stats.tier is not None:
+        yield from _tier_metrics(stats)
 
 
 def _tier_metrics(stats: EngineStats) -> Iterator[Metric]:
@@ -185,62 +197,80 @@ def _speculation_counters(stats: SpeculationStats) -> Iterator[Metric]:
 
 
 class PriorityCollector(Collector):
-    """Exports the unfinished sequences by status and priority, one sample per priority
-    that has sequences now (`LLMEngine.sequences_by_priority`); pagedserve's own, with no
-    vLLM twin. Under the fcfs policy every sequence has priority 0."""
+    """Exports the unfinished sequences by model, status and priority, one sample per
+    priority that has sequences now (`LLMEngine.sequences_by_priority`); pagedserve's own,
+    with no vLLM twin. Under the fcfs policy every sequence has priority 0."""
 
-    def __init__(self, by_priority: Callable[[], dict[str, dict[int, int]] | None]) -> None:
+    def __init__(
+        self, by_priority: Callable[[], Sequence[tuple[str, dict[str, dict[int, int]]]]]
+    ) -> None:
         self._by_priority = by_priority
 
     def collect(self) -> Iterator[Metric]:
         counts = self._by_priority()
-        if counts is None:
+        if not counts:
             return
         for status, documentation in (
             ("running", "Sequences being computed, by request priority."),
             ("waiting", "Sequences waiting to be scheduled, by request priority."),
         ):
             family = GaugeMetricFamily(
-                f"{PREFIX}num_requests_{status}_by_priority", documentation, labels=["priority"]
+                f"{PREFIX}num_requests_{status}_by_priority",
+                documentation,
+                labels=["model_name", "priority"],
             )
-            for priority, count in sorted(counts[status].items()):
-                family.add_metric([str(priority)], count)
+            for model_name, by_status in counts:
+                for priority, count in sorted(by_status[status].items()):
+                    family.add_metric([model_name, str(priority)], count)
             yield family
 
 
 class VllmTwinCollector(Collector):
     """Exports the families of `sources`, each one named in `VLLM_TWINS` followed by its
-    twin: the same samples under vLLM's name, labelled `model_name` with the served name.
+    twin: the same samples (labelled `model_name` already) under vLLM's name.
 
     Invariant: a twin is copied from the family object exported beside it, so within a
-    scrape the two carry equal values. No twins while `model_name()` is None (no model).
+    scrape the two carry equal values. No twin of a family without samples (no model
+    loaded, or no request yet).
     """
 
-    def __init__(self, sources: Sequence[Collector], model_name: Callable[[], str | None]) -> None:
+    def __init__(self, sources: Sequence[Collector]) -> None:
         self._sources = sources
-        self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        model_name = self._model_name()
         for source in self._sources:
             for family in source.collect():
                 yield family
                 twin_name = VLLM_TWINS.get(family.name.removeprefix(PREFIX))
-                if twin_name is not None and model_name is not None:
-                    yield _renamed(family, twin_name, {"model_name": model_name})
+                if twin_name is not None and family.samples:
+                    yield _renamed(family, twin_name)
 
 
-def _renamed(family: Metric, name: str, labels: dict[str, str]) -> Metric:
-    """A copy of `family` named `name`, with `labels` added to every sample; each sample
-    keeps its suffix (`_total`, `_bucket`, `_count`, `_sum`, `_created`)."""
+def _renamed(family: Metric, name: str) -> Metric:
+    """A copy of `family` named `name`; each sample keeps its suffix (`_total`, `_bucket`,
+    `_count`, `_sum`, `_created`)."""
     twin = Metric(name, family.documentation, family.type, family.unit)
     twin.samples = [
-        sample._replace(
-            name=name + sample.name.removeprefix(family.name), labels=sample.labels | labels
-        )
+        sample._replace(name=name + sample.name.removeprefix(family.name))
         for sample in family.samples
     ]
     return twin
+
+
+class _Latencies(Collector):
+    """The latency histograms, each with a series (empty at first) for every loaded model,
+    as vLLM exports its own from start-up."""
+
+    def __init__(self, histograms: Sequence[Histogram], loaded: Callable[[], list[str]]) -> None:
+        self._histograms = histograms
+        self._loaded = loaded
+
+    def collect(self) -> Iterator[Metric]:
+        names = self._loaded()
+        for histogram in self._histograms:
+            for name in names:
+                histogram.labels(name)
+            yield from histogram.collect()
 
 
 class ServerMetrics:
@@ -249,36 +279,39 @@ class ServerMetrics:
 
     def __init__(
         self,
-        stats: Callable[[], EngineStats | None],
-        model_name: Callable[[], str | None],
-        by_priority: Callable[[], dict[str, dict[int, int]] | None],
+        stats: Callable[[], Sequence[tuple[str, EngineStats]]],
+        by_priority: Callable[[], Sequence[tuple[str, dict[str, dict[int, int]]]]],
     ) -> None:
-        """`stats` is the engine's snapshot, `model_name` the served name and `by_priority`
-        the sequences by status and priority, all None until the engine is loaded."""
+        """`stats` gives each loaded model's name and engine snapshot, `by_priority` its
+        name and sequences by status and priority."""
         self.registry = CollectorRegistry()
         # The histograms join no registry by themselves: the twin collector exports them.
         self.time_to_first_token = Histogram(
             PREFIX + "time_to_first_token_seconds",
             "From arrival to the first generated token.",
+            ["model_name"],
             buckets=TTFT_BUCKETS,
             registry=None,
         )
         self.time_per_output_token = Histogram(
             PREFIX + "time_per_output_token_seconds",
             "Mean time between generated tokens after the first, per request.",
+            ["model_name"],
             buckets=TPOT_BUCKETS,
             registry=None,
         )
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds",
             "From arrival to the last token.",
+            ["model_name"],
             buckets=E2E_BUCKETS,
             registry=None,
         )
-        latencies = (self.time_to_first_token, self.time_per_output_token, self.e2e_request_latency)
-        self.registry.register(
-            VllmTwinCollector([EngineStatsCollector(stats), *latencies], model_name)
+        latencies = _Latencies(
+            (self.time_to_first_token, self.time_per_output_token, self.e2e_request_latency),
+            lambda: [name for name, _ in stats()],
         )
+        self.registry.register(VllmTwinCollector([EngineStatsCollector(stats), latencies]))
         self.registry.register(PriorityCollector(by_priority))
         # Admission control (server/admission.py); pagedserve's own, with no vLLM twin.
         self.requests_rejected = Counter(
@@ -292,26 +325,40 @@ class ServerMetrics:
             registry=self.registry,
         )
 
-    def observe_first_token(self, output: RequestOutput) -> None:
+    def observe_first_token(self, model_name: str, output: RequestOutput) -> None:
         """Record a request's TTFT when its first token arrives (as vLLM does), so requests
         still streaming, or abandoned later, count too; call once per request."""
         times = output.metrics
         if times.first_token_time is not None:
-            self.time_to_first_token.observe(times.first_token_time - times.arrival_time)
+            ttft = times.first_token_time - times.arrival_time
+            self.time_to_first_token.labels(model_name).observe(ttft)
 
-    def observe_finished(self, output: RequestOutput) -> None:
+    def observe_finished(self, model_name: str, output: RequestOutput) -> None:
         """Record a finished request's end-to-end latency and its mean time per output token
         (all n samples decode side by side)."""
         times = output.metrics
         if times.finished_time is None:
             return
-        self.e2e_request_latency.observe(times.finished_time - times.arrival_time)
+        e2e = times.finished_time - times.arrival_time
+        self.e2e_request_latency.labels(model_name).observe(e2e)
         if times.first_token_time is None:
             return
         longest = max(len(completion.token_ids) for completion in output.outputs)
         if longest > 1:
             decode_time = times.finished_time - times.first_token_time
-            self.time_per_output_token.observe(decode_time / (longest - 1))
+            tpot = decode_time / (longest - 1)
+            self.time_per_output_token.labels(model_name).observe(tpot)
+
+    def first_tokens(self, model_name: str) -> tuple[float, float]:
+        """The number of `model_name`'s TTFT observations and their sum, as a scrape reads
+        them; (0, 0) before its first."""
+        [family] = self.time_to_first_token.collect()
+        values = {
+            sample.name: sample.value
+            for sample in family.samples
+            if sample.labels.get("model_name") == model_name
+        }
+        return values.get(family.name + "_count", 0.0), values.get(family.name + "_sum", 0.0)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -27,6 +27,7 @@ from pydantic_core import PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
 from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
+from server.config import KeepAlive
 
 # Request fields that carry over to SamplingParams under the same name.
 _SAMPLING_FIELDS = (
@@ -244,6 +245,8 @@ class SamplingRequest(_Body):
     # left in the context.
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = None
     model: str
+    # Ollama's: how long the model stays loaded after this request (server/model_pool.py).
+    keep_alive: KeepAlive | None = None
     n: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -735,10 +738,19 @@ class ModelCard(_Response):
     created: int
     owned_by: str = "pagedserve"
     root: str
-    max_model_len: int
+    # unloaded, loading, loaded, sleeping or failed (server/model_pool.py: ModelState).
+    state: str
+    # Known once the model is loaded (None before).
+    max_model_len: int | None
     # The defaults for sampling fields a request leaves out, in SamplingParams' names
-    # (engine/sampling/params.py); {}: SamplingParams' neutral ones.
-    default_sampling_params: dict[str, Any]
+    # (engine/sampling/params.py); {}: SamplingParams' neutral ones; None until loaded.
+    default_sampling_params: dict[str, Any] | None
+
+
+class ModelAction(_Body):
+    """POST /models/load and /models/unload: the model's name, as requests give it."""
+
+    model: str
 
 
 class ModelList(_Response):

@@ -22,7 +22,6 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from engine.errors import EngineError
-from server.admission import Deadline
 from server.auth import key_owner, require_api_key
 from server.conversation import OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, user_errors
@@ -42,10 +41,9 @@ from server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from server.state import ServerState, server_state
+from server.state import server_state
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.outputs import RequestOutput
     from engine.request.intake import EngineRequest
 
@@ -56,7 +54,7 @@ _FIELDS = set(ResponsesRequest.model_fields) | {"text.format"}
 
 @router.post("/v1/responses", response_model=None)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
-    handling = Handling.begin(request, body.model)
+    handling = await Handling.begin(request, body.model, body.keep_alive)
     state, llm = handling.state, handling.llm
     owner = key_owner(request)
     earlier: list[InputItem] = []
@@ -66,7 +64,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             raise _not_found(body.previous_response_id, "previous_response_id")
         earlier = stored_items(stored.conversation, stored.response["output"])
     conversation = earlier + body.input_items()
-    reasoning = state.reasoning_syntax()
+    reasoning = handling.reasoning_syntax()
     variables = thinking_variables(body, reasoning, llm.chat_template)
     chat_body = as_chat_request(body, conversation, len(earlier), variables)
     handling.check_tool_count(len(body.tools or ()))
@@ -83,12 +81,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
             chat_body.messages,
             ToolRequest.of(chat_body),
             chat_body.chat_template_kwargs,
-            state.tool_calling,
+            handling.model.tool_calling,
         )
         prompt = await handling.chat_prompt(params, rendered, reasoning, aliases, "input")
-    turn = _Turn(
-        state, llm, body, prompt, rendered.tools, reasoning, handling.deadline, owner, conversation
-    )
+    turn = _Turn(handling, body, prompt, rendered.tools, reasoning, owner, conversation)
     if body.stream:
         return handling.stream(1, turn.events)
     response = turn.response(await handling.run(1, turn.run))
@@ -131,22 +127,18 @@ class _Turn:
     `reasoning`: how the model reasons (None: all of its text is the answer); tool calls
     are read from the answer only."""
 
-    state: ServerState
-    llm: AsyncLLM
+    handling: Handling
     body: ResponsesRequest
     prompt: EngineRequest
     tools: OfferedTools | None
     reasoning: ReasoningSyntax | None
-    deadline: Deadline | None
     owner: str
     conversation: list[InputItem]
     response_id: str = field(default_factory=lambda: new_item_id("resp"))
     created: int = field(default_factory=lambda: int(time.time()))
 
     async def run(self) -> RequestOutput:
-        [final] = await final_outputs(
-            self.state, self.llm, [self.prompt], self.response_id, self.deadline
-        )
+        [final] = await final_outputs(self.handling, [self.prompt], self.response_id)
         return final
 
     def response(self, final: RequestOutput) -> ResponseObject:
@@ -169,9 +161,7 @@ class _Turn:
         output = reply.output
         whole: RequestOutput | None = None
         try:
-            async for _, delta, latest in generate(
-                self.state, self.llm, [self.prompt], self.response_id, self.deadline
-            ):
+            async for _, delta, latest in generate(self.handling, [self.prompt], self.response_id):
                 whole = latest
                 for completion in delta.outputs:
                     for event in reply.feed(completion.text):
@@ -200,7 +190,9 @@ class _Turn:
             item.model_dump(mode="json", by_alias=True, exclude_none=True)
             for item in self.conversation
         ]
-        await self.state.responses.put(self.owner, response.model_dump(mode="json"), conversation)
+        await self.handling.state.responses.put(
+            self.owner, response.model_dump(mode="json"), conversation
+        )
 
     def _reply(self) -> Reply:
         """The builder of the reply's items, splitting off its reasoning (if the model
@@ -230,7 +222,7 @@ class _Turn:
             else None,
             instructions=body.instructions,
             max_output_tokens=body.max_output_tokens,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             output=items,
             parallel_tool_calls=body.parallel_tool_calls is not False,
             previous_response_id=body.previous_response_id,

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
+from server.config import KeepAlive
 from server.protocol import FunctionDefinition, _Body, _Request, _Response, check_type, field_error
 
 # Responses fields that would change the output and that this server does not implement:
@@ -212,6 +213,8 @@ class ResponsesRequest(_Body):
     forced to call a tool has no `text.format` but text; `include` asks for nothing."""
 
     model: str
+    # Ollama's: how long the model stays loaded after this request (server/model_pool.py).
+    keep_alive: KeepAlive | None = None
     input: str | list[InputItem]
     instructions: str | None = None
     previous_response_id: str | None = None

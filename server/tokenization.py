@@ -14,6 +14,7 @@ from engine.request.intake import ChatTemplateError
 from server.auth import require_api_key
 from server.conversation import render
 from server.errors import invalid_request, user_errors
+from server.handling import Handling
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -27,14 +28,14 @@ router = APIRouter(dependencies=[Depends(require_api_key)])
 
 @router.post("/tokenize", response_model=None)
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    if body.model is not None:
-        state.check_model(body.model)
+    handling = await _begin(request, body.model)
+    llm = handling.llm
     if body.messages is not None:
         add_generation_prompt = body.add_generation_prompt is not False
         with user_errors({"messages"}):
-            rendered = render(body.messages, None, body.chat_template_kwargs, state.tool_calling)
+            rendered = render(
+                body.messages, None, body.chat_template_kwargs, handling.model.tool_calling
+            )
         try:
             tokens = await llm.render_chat(
                 rendered.messages, add_generation_prompt, template_kwargs=rendered.variables
@@ -53,12 +54,14 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
 
 @router.post("/detokenize", response_model=None)
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
-    state = server_state(request)
-    llm = state.ready_llm()
-    if body.model is not None:
-        state.check_model(body.model)
+    handling = await _begin(request, body.model)
     with user_errors({"tokens"}):
-        text = await llm.decode(body.tokens)
+        text = await handling.llm.decode(body.tokens)
     return Response(
         DetokenizeResponse(prompt=text).model_dump_json(), media_type="application/json"
     )
+
+
+async def _begin(request: Request, model: str | None) -> Handling:
+    """`Handling.begin` for `model`, by default the server's first model."""
+    return await Handling.begin(request, model or server_state(request).models.first.name)

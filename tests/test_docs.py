@@ -32,5 +32,5 @@ def test_settings_reference_has_a_row_per_setting() -> None:
     spec.loader.exec_module(hook)
     page = hook.render()
     for name in ServeConfig.model_fields:
-        flag = "--" + name.replace("_", "-")
+        flag = "--model NAME=SOURCE" if name == "models" else "--" + name.replace("_", "-")
         assert f"| `{name}` | `PAGEDSERVE_{name.upper()}`<br>`{flag}" in page, name

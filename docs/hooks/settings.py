@@ -95,6 +95,8 @@ def _table(cls: Any, names: list[str], comments: dict[str, str], prefix: str) ->
         flag = "--" + name.replace("_", "-")
         if info.annotation in (bool, bool | None):
             flag = f"{flag} / --no-{name.replace('_', '-')}"
+        if name == "models":  # JSON in the variable; each entry a flag of its own
+            flag = "--model NAME=SOURCE"
         # Both where both are written: the description is what `--help` prints, the
         # comment above the field often says more.
         parts = (info.description, comments.get(name))

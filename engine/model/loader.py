@@ -104,6 +104,21 @@ def resolve_model_source(model: str) -> tuple[str, str]:
     return model, model
 
 
+WEIGHT_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt")
+
+
+def weights_bytes(model: str) -> int:
+    """The bytes of the model's weight files on disk (0 for a hub id, not read here): about
+    what its weights take loaded (more when converted to a wider type, less quantized)."""
+    source, _ = resolve_model_source(model)
+    path = Path(source)
+    if path.is_file():
+        return path.stat().st_size
+    if not path.is_dir():
+        return 0
+    return sum(f.stat().st_size for f in path.iterdir() if f.suffix in WEIGHT_SUFFIXES)
+
+
 def resolve_model_folder(model: str) -> tuple[str, str]:
     """(what `from_pretrained` loads the config and tokenizer from, a display name): for a
     GGUF, its metadata folder (made once)."""

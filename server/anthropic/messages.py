@@ -18,7 +18,6 @@ from fastapi import APIRouter, Depends, Request, Response
 from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
 from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
-from server.admission import Deadline
 from server.anthropic.conversation import conversation, reply_blocks, tool_use
 from server.anthropic.errors import AnthropicRoute, error_body
 from server.anthropic.events import PING, ContentBlocks, event
@@ -35,10 +34,8 @@ from server.conversation import OfferedTools
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
 from server.handling import Handling, final_outputs, generate, json_response, new_request_id
 from server.reasoning import ReasoningSyntax, split_reasoning
-from server.state import ServerState
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.request.intake import EngineRequest
 
@@ -48,16 +45,16 @@ _FIELDS = {*MessagesRequest.model_fields, "output_config.format"}
 
 @router.post("/v1/messages", response_model=None)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
-    handling = Handling.begin(request, body.model)
-    state, llm = handling.state, handling.llm
+    handling = await Handling.begin(request, body.model, body.keep_alive)
+    llm = handling.llm
     handling.check_tool_count(len(body.tools or ()))
-    reasoning = state.reasoning_syntax()
+    reasoning = handling.reasoning_syntax()
     aliases = {"stop": "stop_sequences", "structured_outputs": "output_config.format"}
     with user_errors(_FIELDS, aliases=aliases):
         params = _sampling_params(body, llm.default_sampling)
-        rendered = conversation(body, state.tool_calling)
+        rendered = conversation(body, handling.model.tool_calling)
         prompt = await handling.chat_prompt(params, rendered, reasoning, aliases)
-    reply = _Reply(state, llm, body, prompt, rendered.tools, reasoning, handling.deadline)
+    reply = _Reply(handling, body, prompt, rendered.tools, reasoning)
     if body.stream:
         return handling.stream(1, reply.events)
     return json_response(reply.response(await handling.run(1, reply.run)))
@@ -66,10 +63,10 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
 @router.post("/v1/messages/count_tokens", response_model=None)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt tokens /v1/messages would take for this conversation and tools."""
-    handling = Handling.begin(request, body.model)
+    handling = await Handling.begin(request, body.model, body.keep_alive)
     handling.check_tool_count(len(body.tools or ()))
     with user_errors(_FIELDS):
-        rendered = conversation(body, handling.state.tool_calling)
+        rendered = conversation(body, handling.model.tool_calling)
     try:
         tokens = await handling.llm.render_chat(
             rendered.messages, tools=rendered.template_tools, template_kwargs=rendered.variables
@@ -102,20 +99,16 @@ class _Reply:
     """One validated message request over its rendered prompt; `deadline` ends it early.
     `reasoning`: how the model reasons (None: all of its text is the answer)."""
 
-    state: ServerState
-    llm: AsyncLLM
+    handling: Handling
     body: MessagesRequest
     prompt: EngineRequest
     tools: OfferedTools | None
     reasoning: ReasoningSyntax | None
-    deadline: Deadline | None
     # Anthropic's shape of id (`msg_...`); fresh, as engine request ids must be.
     request_id: str = field(default_factory=lambda: new_request_id("msg").replace("-", "_"))
 
     async def run(self) -> RequestOutput:
-        finals = await final_outputs(
-            self.state, self.llm, [self.prompt], self.request_id, self.deadline
-        )
+        finals = await final_outputs(self.handling, [self.prompt], self.request_id)
         return finals[0]
 
     def response(self, final: RequestOutput) -> MessageResponse:
@@ -127,7 +120,7 @@ class _Reply:
         stop_reason, stop_sequence = _stop(completion, calls)
         return MessageResponse(
             id=self.request_id,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             content=content,
             stop_reason=stop_reason,
             stop_sequence=stop_sequence,
@@ -140,7 +133,7 @@ class _Reply:
         ends; an `error` event ends a stream that failed (what was sent stays sent)."""
         started = MessageResponse(
             id=self.request_id,
-            model=self.state.model_name,
+            model=self.handling.model_name,
             content=[],
             stop_reason=None,
             usage=Usage(input_tokens=len(self.prompt.prompt_token_ids), output_tokens=0),
@@ -149,9 +142,7 @@ class _Reply:
         yield event(PING)
         pieces = _Pieces(self)
         try:
-            async for _, output, whole in generate(
-                self.state, self.llm, [self.prompt], self.request_id, self.deadline
-            ):
+            async for _, output, whole in generate(self.handling, [self.prompt], self.request_id):
                 [completion] = output.outputs
                 for piece in pieces.feed(completion.text):
                     yield piece

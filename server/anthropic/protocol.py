@@ -15,6 +15,7 @@ from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, model_validator
 
+from server.config import KeepAlive
 from server.protocol import RequestBody, RequestModel, check_type, field_error
 
 IGNORED_FIELDS: dict[str, str] = {
@@ -208,6 +209,8 @@ class _Conversation(_Body):
     """What `/v1/messages` and its `count_tokens` both read."""
 
     model: str
+    # Ollama's: how long the model stays loaded after this request (server/model_pool.py).
+    keep_alive: KeepAlive | None = None
     messages: list[Message] = Field(min_length=1)
     system: str | list[TextBlock] | None = None
     tools: list[Tool] | None = None

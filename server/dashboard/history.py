@@ -17,8 +17,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from prometheus_client import Histogram
-
 if TYPE_CHECKING:
     from engine.snapshot import EngineStats
 
@@ -68,12 +66,12 @@ class StatsHistory:
     def __init__(
         self,
         stats: Callable[[], EngineStats | None],
-        ttft: Histogram,
+        ttft: Callable[[], tuple[float, float]],
         interval: float = INTERVAL,
         window: float = WINDOW,
     ) -> None:
-        """`stats` is the engine's snapshot (None until loaded), `ttft` the histogram of
-        time to first token the server observes."""
+        """`stats` is the engine's snapshot (None until loaded), `ttft` the count and sum of
+        the times to first token the server observed."""
         self.interval = interval
         self.window = window
         self._stats = stats
@@ -91,7 +89,7 @@ class StatsHistory:
         if stats is None:
             self._last = None
             return
-        ttft_count, ttft_sum = _count_and_sum(self._ttft)
+        ttft_count, ttft_sum = self._ttft()
         now = _Counters(
             monotonic,
             stats.generation_tokens_total,
@@ -126,10 +124,3 @@ class StatsHistory:
         while True:
             await asyncio.sleep(self.interval)
             self.record(time.monotonic(), time.time())
-
-
-def _count_and_sum(histogram: Histogram) -> tuple[float, float]:
-    """A histogram's number of observations and their sum, as a scrape reads them."""
-    [family] = histogram.collect()
-    values = {sample.name: sample.value for sample in family.samples}
-    return values[family.name + "_count"], values[family.name + "_sum"]

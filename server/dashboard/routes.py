@@ -2,11 +2,13 @@
 
 The page and its script (server/dashboard/static/) are open: they hold no data and no secret, and
 refer to nothing outside this server (their Content-Security-Policy forbids it). The data
-endpoint requires the API key like /v1; the page sends it as a bearer token.
+endpoint requires the API key like /v1; the page sends it as a bearer token. It shows the
+server's first configured model (a single model's server: its model).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -19,7 +21,7 @@ from engine.snapshot import BlockState, EngineStats, SequenceSnapshot
 from server.auth import require_api_key
 from server.dashboard.history import Sample, StatsHistory
 from server.errors import OpenAIError
-from server.state import server_state
+from server.state import ServerState, server_state
 
 STATIC = Path(__file__).parent / "static"
 # Same-origin scripts and fetches only; the page's styles are inline.
@@ -37,8 +39,13 @@ data_router = APIRouter(dependencies=[Depends(require_api_key)])
 def install(app: FastAPI) -> None:
     """Serve the page and its script (open) and the data (behind the API key) from `app`,
     and record the history while the app runs (a task of the server state's `background`)."""
-    state = app.state.server
-    history = StatsHistory(state.engine_stats, state.metrics.time_to_first_token)
+    state: ServerState = app.state.server
+    model = state.models.first
+
+    def stats() -> EngineStats | None:
+        return None if model.llm is None else model.llm.stats()
+
+    history = StatsHistory(stats, functools.partial(state.metrics.first_tokens, model.name))
     state.background.append(history.run)
     app.state.dashboard_history = history
     app.include_router(page_router)
@@ -99,7 +106,8 @@ async def dashboard_state(request: Request) -> DashboardState:
     503 while the model loads or once the engine has stopped."""
     state = server_state(request)
     history: StatsHistory = request.app.state.dashboard_history
-    llm = state.ready_llm()
+    model = state.models.first
+    llm = model.ready_llm()
     try:
         snapshot = await llm.snapshot()
     except EngineError as exc:
@@ -109,7 +117,7 @@ async def dashboard_state(request: Request) -> DashboardState:
     queries = stats.prefix_cache_queries
     return DashboardState(
         time=time.time(),
-        model=state.model_name,
+        model=model.name,
         scheduling_policy=snapshot.scheduling_policy,
         blocks=BlockMap(
             block_size=llm.block_size,

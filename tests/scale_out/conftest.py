@@ -53,13 +53,14 @@ def deployed(serve_url: str, config: ServeConfig, **scale_out: Any) -> Iterator[
 
 
 def replica_metrics(url: str) -> dict[str, dict[str, float]]:
-    """The label-less series of every replica, from the ingress's /metrics:
-    replica -> sample name -> value."""
+    """The series of every replica with no label but the replica's and the model's, from
+    the ingress's /metrics: replica -> sample name -> value."""
     by_replica: dict[str, dict[str, float]] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for sample in family.samples:
             labels = dict(sample.labels)
             replica = labels.pop("replica")
+            labels.pop("model_name", None)
             if not labels:
                 by_replica.setdefault(replica, {})[sample.name] = sample.value
     return by_replica

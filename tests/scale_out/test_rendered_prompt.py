@@ -19,7 +19,6 @@ from engine import LLM, SamplingParams
 from engine.request.intake import RenderedPrompt
 from scale_out.forwarding import ForwardedRequest, call_app
 from server.app import build_app
-from server.state import ServerState
 from tests.server.conftest import tiny_config
 
 BLOCK = 16
@@ -30,9 +29,9 @@ TOKENS = tuple(range(5, 5 + 3 * BLOCK + 4))  # three full blocks and a partial o
 async def replica_app(model: Path) -> AsyncIterator[Any]:
     app = build_app(tiny_config(model, block_size=BLOCK, served_model_name="tiny"))
     async with app.router.lifespan_context(app):
-        state: ServerState = app.state.server
-        while state.llm is None:
-            assert state.load_error is None, state.load_error
+        model = app.state.server.models.first
+        while model.llm is None:
+            assert model.load_error is None, model.load_error
             await asyncio.sleep(0.05)
         yield app
 

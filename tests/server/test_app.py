@@ -104,14 +104,14 @@ def test_a_bug_while_loading_is_logged_with_its_traceback(
 
     config = tiny_config(tmp_path / "unused")
     with (
-        caplog.at_level(logging.ERROR, logger="server.app"),
+        caplog.at_level(logging.ERROR, logger="server.model_pool"),
         live_server(
             config, wait_ready=False, llm_factory=buggy_factory, on_load_error=failures.append
         ),
     ):
         while not failures:
             time.sleep(0.02)
-    (record,) = [r for r in caplog.records if r.name == "server.app"]
+    (record,) = [r for r in caplog.records if r.name == "server.model_pool"]
     assert record.exc_info is not None and "cannot start the engine" in record.getMessage()
 
 
@@ -120,12 +120,12 @@ def test_a_settings_error_while_loading_is_one_line(
 ) -> None:
     failures: list[BaseException] = []
     with (
-        caplog.at_level(logging.ERROR, logger="server.app"),
+        caplog.at_level(logging.ERROR, logger="server.model_pool"),
         live_server(
             tiny_config(tmp_path / "no-such-model"), wait_ready=False, on_load_error=failures.append
         ),
     ):
         while not failures:
             time.sleep(0.02)
-    (record,) = [r for r in caplog.records if r.name == "server.app"]
+    (record,) = [r for r in caplog.records if r.name == "server.model_pool"]
     assert record.exc_info is None and "not found" in record.getMessage()

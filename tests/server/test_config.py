@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import ConfigError, EngineConfig, load_config
-from pagedserve.cli import build_parser
-from server.config import DEFAULT_PRESET, ServeConfig, resolve_serve_config
+from pagedserve.cli import build_parser, models_from_flags
+from server.config import DEFAULT_PRESET, ServeConfig, keep_alive_seconds, resolve_serve_config
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,9 +70,11 @@ def test_invalid_settings_raise_config_error_naming_them(overrides: dict, named:
 
 
 def test_every_setting_has_a_flag() -> None:
+    """Every setting but `models` (`--model NAME=SOURCE`, repeated) has its flag."""
     args = build_parser().parse_args(["serve"])
-    assert set(ServeConfig.model_fields) <= set(vars(args))
-    assert all(getattr(args, name) is None for name in ServeConfig.model_fields)
+    settings = set(ServeConfig.model_fields) - {"models"}
+    assert settings <= set(vars(args)) and "models" not in vars(args)
+    assert all(getattr(args, name) is None for name in settings)
     args = build_parser().parse_args(
         ["serve", "--max-num-seqs", "4", "--no-enable-prefix-caching", "--served-model-name", "x"]
     )
@@ -113,3 +115,65 @@ def test_a_key_file_must_hold_a_key(tmp_path: Path) -> None:
         resolve_serve_config(None, {"api_key_file": str(empty)}, {})
     with pytest.raises(ConfigError, match=r"api_key_file.*cannot read"):
         resolve_serve_config(None, {"api_key_file": str(tmp_path / "missing")}, {})
+
+
+def _settings(argv: list[str], tmp_path: Path | None = None) -> ServeConfig:
+    """The ServeConfig `pagedserve serve ARGV` runs with (without starting it)."""
+    args = build_parser().parse_args(["serve", *argv])
+    overrides = {name: getattr(args, name, None) for name in ServeConfig.model_fields}
+    return resolve_serve_config(args.config, overrides | models_from_flags(args.model or []), {})
+
+
+def test_model_flags_name_several_models_and_one_keeps_its_meaning(tmp_path: Path) -> None:
+    one = _settings(["--model", str(tmp_path)])
+    assert one.model == str(tmp_path) and one.models is None
+    several = _settings(["--model", f"a={tmp_path}", "--model", "b=default", "--keep-alive", "5m"])
+    assert [(entry.name, entry.model) for entry in several.models or []] == [
+        ("a", str(tmp_path)),
+        ("b", "default"),
+    ]
+    assert several.keep_alive == 300.0
+    assert several.engine_config(several.models[1]).model == "default"  # type: ignore[index]
+    with pytest.raises(ConfigError, match="name every model"):
+        _settings(["--model", "a=default", "--model", str(tmp_path)])
+    with pytest.raises(ConfigError, match="more than once"):
+        _settings(["--model", "default", "--model", str(tmp_path)])
+
+
+def test_models_from_a_file_with_their_own_settings(tmp_path: Path) -> None:
+    config = tmp_path / "models.yaml"
+    config.write_text(
+        "kv_cache_memory: 1GiB\nmax_loaded_models: 1\nmodels:\n"
+        "  - {name: small, model: default, kv_cache_memory: 256MiB, keep_alive: -1}\n"
+        "  - {name: fp32, model: default, quantization: none, keep_alive: 90s}\n"
+    )
+    settings = _settings(["--config", str(config)])
+    small, fp32 = settings.models or []
+    assert settings.engine_config(small).kv_cache_memory == 256 * 2**20
+    assert settings.engine_config(fp32).kv_cache_memory == 2**30
+    assert settings.engine_config(fp32).quantization == "none"
+    assert (small.keep_alive, fp32.keep_alive) == (float("inf"), 90.0)
+
+
+@pytest.mark.parametrize(
+    ("models", "named"),
+    [
+        ([{"name": "a", "model": "default"}, {"name": "a", "model": "default"}], "'a' twice"),
+        ([{"name": "a", "model": "default", "max_num_seq": 4}], "'max_num_seq'"),
+        ([{"name": "a", "model": "default", "max_num_seqs": 0}], "model 'a': 'max_num_seqs'"),
+        ([{"name": "a", "model": "default", "keep_alive": "soon"}], "'soon'"),
+        ([], "at least one"),
+    ],
+)
+def test_bad_models_are_refused_by_name(models: list, named: str) -> None:
+    with pytest.raises(ConfigError, match=named):
+        resolve_serve_config(None, {"models": models}, {})
+
+
+@pytest.mark.parametrize(
+    ("value", "seconds"),
+    [(0, 0.0), ("0", 0.0), (-1, float("inf")), ("-1m", float("inf")), ("1h30m", 5400.0),
+     ("500ms", 0.5), (2.5, 2.5), ("300", 300.0)],
+)  # fmt: skip
+def test_keep_alive_reads_ollamas_durations(value: object, seconds: float) -> None:
+    assert keep_alive_seconds(value) == seconds

@@ -8,6 +8,7 @@ tokens stay in flight for seconds without the CPU work of a bigger model.
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
 import shutil
 import threading
@@ -19,13 +20,13 @@ from typing import Any
 
 import httpx
 import pytest
-from prometheus_client import Histogram
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.snapshot import EngineStats
 from server.dashboard.history import StatsHistory
+from server.metrics import ServerMetrics
 from tests.server.conftest import live_server, tiny_config
 from tests.server.test_vllm_metrics import scrape
 
@@ -251,8 +252,9 @@ def test_waiting_sequences_show_their_priority_in_queue_order(server: str) -> No
     assert [seq["priority"] for seq in busy["sequences"]] == [0] * MAX_NUM_SEQS + [3, 7]
     assert busy["totals"]["num_preemptions"] == 0
     running, waiting = (metrics[f"pagedserve_num_requests_{s}_by_priority"] for s in STATUSES)
-    assert running == {(("priority", "0"),): MAX_NUM_SEQS}
-    assert waiting == {(("priority", "3"),): 1, (("priority", "7"),): 1}
+    model = ("model_name", "tiny")
+    assert running == {(model, ("priority", "0")): MAX_NUM_SEQS}
+    assert waiting == {(model, ("priority", "3")): 1, (model, ("priority", "7")): 1}
 
 
 # -- the history --------------------------------------------------------------------------
@@ -277,13 +279,15 @@ def _stats(generation_tokens: int, queries: int = 0, hits: int = 0) -> EngineSta
 
 def test_the_history_samples_differences_of_the_counters() -> None:
     readings: list[EngineStats | None] = [None, _stats(0), _stats(100, 40, 10), _stats(130, 40, 10)]
-    ttft = Histogram("ttft_seconds", "TTFT", registry=None)
+    metrics = ServerMetrics(list, list)
+    ttft = functools.partial(metrics.first_tokens, "m")
     history = StatsHistory(lambda: readings.pop(0), ttft, interval=1.0, window=300.0)
     history.record(0.0, 1000.0)  # no engine yet
     history.record(1.0, 1001.0)  # the baseline
     assert history.samples() == []
-    ttft.observe(0.2)
-    ttft.observe(0.4)
+    metrics.time_to_first_token.labels("m").observe(0.2)
+    metrics.time_to_first_token.labels("m").observe(0.4)
+    metrics.time_to_first_token.labels("another model").observe(9.0)
     history.record(3.0, 1003.0)
     history.record(4.0, 1004.0)
     first, second = history.samples()
@@ -296,8 +300,7 @@ def test_the_history_samples_differences_of_the_counters() -> None:
 
 
 def test_the_history_keeps_its_window_only() -> None:
-    ttft = Histogram("ttft_seconds", "TTFT", registry=None)
-    history = StatsHistory(lambda: _stats(0), ttft, interval=1.0, window=3.0)
+    history = StatsHistory(lambda: _stats(0), lambda: (0.0, 0.0), interval=1.0, window=3.0)
     for second in range(10):
         history.record(float(second), 1000.0 + second)
     assert [sample.time for sample in history.samples()] == [1007.0, 1008.0, 1009.0]

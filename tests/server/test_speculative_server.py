@@ -65,7 +65,7 @@ def test_spec_decode_counters_under_vllm_names(speculating_server: str, tiny_ser
     ]
     assert sum(per_position) == accepted and per_position == sorted(per_position, reverse=True)
     for name in ("drafts", "draft_tokens", "accepted_tokens"):
-        ours = after[f"pagedserve_spec_decode_num_{name}_total"][()]
+        ours = after[f"pagedserve_spec_decode_num_{name}_total"][MODEL]
         assert after[f"vllm:spec_decode_num_{name}_total"][MODEL] == ours
     assert not any("spec_decode" in name for name in scrape(tiny_server))
 

@@ -1,0 +1,56 @@
+"""The model endpoints: GET /v1/models (every configured model with its state), and
+llama-server's POST /models/load and POST /models/unload (`{"model": NAME}`)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Depends, Request
+
+from server.auth import require_api_key
+from server.model_pool import ServedModel
+from server.protocol import ModelAction, ModelCard, ModelList
+from server.state import server_state
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> ModelList:
+    """A single model's server: its model once loaded (a 503 before); a server of several
+    models: each of them, loaded or not."""
+    state = server_state(request)
+    models = state.models
+    if models.single and models.first.llm is None and models.first.state != "unloaded":
+        models.first.ready_llm()  # raises the 503 of a model still loading or failed
+    return ModelList(data=[_card(model, state.started_at) for model in models.models.values()])
+
+
+def _card(model: ServedModel, created: int) -> ModelCard:
+    llm = model.llm
+    return ModelCard(
+        id=model.name,
+        created=created,
+        root=model.root,
+        state=model.state,
+        max_model_len=None if llm is None else llm.max_model_len,
+        default_sampling_params=None if llm is None else llm.default_sampling,
+    )
+
+
+@router.post("/models/load")
+async def load(body: ModelAction, request: Request) -> dict[str, object]:
+    """Load the model (a no-op if it is loaded); answers once it is, with the seconds its
+    load took."""
+    models = server_state(request).models
+    model = models.find(body.model)
+    await models.load(model)
+    return {"model": model.name, "state": model.state, "load_seconds": round(model.load_seconds, 3)}
+
+
+@router.post("/models/unload")
+async def unload(body: ModelAction, request: Request) -> dict[str, object]:
+    """Unload the model once its requests in flight have finished; its memory goes back to
+    the machine. A request for it afterwards loads it again (under `autoload`)."""
+    models = server_state(request).models
+    model = models.find(body.model)
+    seconds = await models.unload(model)
+    return {"model": model.name, "state": model.state, "unload_seconds": round(seconds, 3)}
