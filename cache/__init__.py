@@ -1,6 +1,13 @@
 """KV-cache block manager: block pool, free queue, prefix cache, profiling."""
 
-from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes, hash_block
+from cache.block import (
+    BlockHashes,
+    FreeBlockQueue,
+    KVCacheBlock,
+    cdiv,
+    extend_block_hashes,
+    hash_block,
+)
 from cache.block_manager import AllocStatus, BlockManager
 from cache.block_map import BlockState
 from cache.events import (
@@ -30,6 +37,7 @@ __all__ = [
     "MEDIUM_GPU",
     "AllBlocksCleared",
     "AllocStatus",
+    "BlockHashes",
     "BlockManager",
     "BlockRemoved",
     "BlockState",

@@ -118,6 +118,16 @@ _ROOT = b"\x00"
 _CHAINED = b"\x01"
 
 
+class BlockHashes(list[int]):
+    """A sequence's chained block hashes, whose first block chains onto `root` rather than
+    nothing: a LoRA adapter's, so that its blocks are its own (`lora_name` names it)."""
+
+    def __init__(self, root: int | None = None, lora_name: str | None = None) -> None:
+        super().__init__()
+        self.root = root
+        self.lora_name = lora_name
+
+
 def hash_block(parent_hash: int | None, token_ids: Sequence[int]) -> int:
     """64-bit xxh3 hash of a full block's token ids chained onto its parent block's hash.
 
@@ -135,12 +145,14 @@ def extend_block_hashes(
     """Extend `hashes` in place to the chained hashes of the first `num_blocks` full blocks
     of `token_ids` (all of them by default).
 
-    Invariant kept: `hashes[i]` is block i's hash chained onto `hashes[i - 1]`, over
-    `token_ids[i * block_size:(i + 1) * block_size]`. Only the blocks not yet hashed are
-    hashed, so a caller that keeps the list while the tokens grow hashes each block once.
+    Invariant kept: `hashes[i]` is block i's hash chained onto `hashes[i - 1]` (the first
+    onto a `BlockHashes`'s root), over `token_ids[i * block_size:(i + 1) * block_size]`.
+    Only the blocks not yet hashed are hashed, so a caller that keeps the list while the
+    tokens grow hashes each block once.
     """
     full = len(token_ids) // block_size
     end = full if num_blocks is None else min(num_blocks, full)
+    root = hashes.root if isinstance(hashes, BlockHashes) else None
     for start in range(len(hashes) * block_size, end * block_size, block_size):
-        parent = hashes[-1] if hashes else None
+        parent = hashes[-1] if hashes else root
         hashes.append(hash_block(parent, token_ids[start : start + block_size]))

@@ -6,7 +6,7 @@ import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from cache.block import FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes
+from cache.block import BlockHashes, FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes
 from cache.block_map import block_map
 from cache.events import AllBlocksCleared, BlockRemoved, KVEvent, stored_events
 from cache.stats import CacheStats
@@ -224,7 +224,10 @@ class BlockManager:
                 self._cached[block_hash] = block
                 if self._events is not None or self._registered is not None:
                     parent = hashes[seq.num_hashed - 1] if seq.num_hashed else None
-                    stored.append(RegisteredBlock(block.block_id, block_hash, parent, tokens))
+                    lora_name = hashes.lora_name if isinstance(hashes, BlockHashes) else None
+                    stored.append(
+                        RegisteredBlock(block.block_id, block_hash, parent, tokens, lora_name)
+                    )
             elif existing.token_ids == tokens and existing.parent_prefix_id == seq.prefix_id:
                 # Same content as ours: later blocks chain onto its prefix, so they are found
                 # by lookups that pass through the registered twin.

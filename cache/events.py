@@ -31,6 +31,8 @@ class BlockStored:
     token_ids: tuple[int, ...]
     block_size: int
     medium: str
+    # The LoRA adapter whose KV the blocks hold (None: the base model's).
+    lora_name: str | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -70,6 +72,7 @@ def stored_events(
                     token_ids=tuple(t for b in run for t in b.token_ids),
                     block_size=block_size,
                     medium=medium,
+                    lora_name=run[0].lora_name,
                 )
             )
         run = [block] if block is not None else []

@@ -24,6 +24,8 @@ class RegisteredBlock:
     block_hash: int
     parent_hash: int | None
     token_ids: tuple[int, ...]
+    # The LoRA adapter whose KV it holds (None: the base model's).
+    lora_name: str | None = None
 
 
 def held_prefix(block_hashes: Sequence[int], held: Container[int]) -> int:

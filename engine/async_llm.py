@@ -26,8 +26,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from engine.adapters import ServedAdapter
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import AdapterError, EngineError
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request.intake import (
@@ -91,11 +92,21 @@ class _Wake:
     reply: Future[None]
 
 
+@dataclass(slots=True)
+class _Adapter:
+    """Serve `adapter` (what `Adapters.read` returned), or with None stop serving `name`."""
+
+    adapter: object | None
+    name: str
+    reply: Future[None]
+
+
 class _Stop:
     pass
 
 
-_Command = _Add | _Abort | _Snapshot | _Sleep | _Wake | _Stop
+_Command = _Add | _Abort | _Snapshot | _Sleep | _Wake | _Adapter | _Stop
+_Replied = _Snapshot | _Sleep | _Wake | _Adapter
 
 
 class AsyncLLM:
@@ -303,7 +314,30 @@ class AsyncLLM:
         self._post_with_reply(_Wake(reply))
         await asyncio.wrap_future(reply)
 
-    def _post_with_reply(self, command: _Snapshot | _Sleep | _Wake) -> None:
+    async def load_lora(self, name: str, path: str) -> None:
+        """Serve the LoRA adapter in folder `path` as `name` (read on the intake thread,
+        put in its slot between steps); AdapterError naming what is wrong with it."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            raise AdapterError(f"adapter '{name}': this engine serves no LoRA adapters")
+        adapter = await self._on_intake(adapters.read, name, path)
+        reply: Future[None] = Future()
+        self._post_with_reply(_Adapter(adapter, name, reply))
+        await asyncio.wrap_future(reply)
+
+    async def unload_lora(self, name: str) -> None:
+        """Stop serving the adapter `name`: requests naming it are refused from now on; its
+        requests in flight finish with it. AdapterError if it is not served."""
+        reply: Future[None] = Future()
+        self._post_with_reply(_Adapter(None, name, reply))
+        await asyncio.wrap_future(reply)
+
+    def lora_adapters(self) -> list[ServedAdapter]:
+        """The adapters served (read from any thread)."""
+        adapters = self.engine.adapters
+        return [] if adapters is None else adapters.served()
+
+    def _post_with_reply(self, command: _Replied) -> None:
         """Queue a command whose reply the loop answers, or fail it if the loop has ended."""
         with self._answering_lock:
             if not self._answering:
@@ -379,9 +413,29 @@ class AsyncLLM:
                 self._wake()
                 if command.reply.set_running_or_notify_cancel():
                     command.reply.set_result(None)
+            elif isinstance(command, _Adapter):
+                self._change_adapter(command)
             elif command.request_id in self._streams:
                 self._wake()
-                self.engine.add_request(command.request_id, command.request)
+                try:
+                    self.engine.add_request(command.request_id, command.request)
+                except ValueError as exc:  # its adapter was unloaded since it was routed
+                    self._deliver(command.request_id, exc)
+
+    def _change_adapter(self, command: _Adapter) -> None:
+        if not command.reply.set_running_or_notify_cancel():
+            return
+        adapters = self.engine.adapters
+        try:
+            if command.adapter is None:
+                self.engine.remove_lora(command.name)
+            else:
+                assert adapters is not None, "an adapter was read by this engine's adapters"
+                adapters.add(command.adapter)
+        except AdapterError as exc:
+            command.reply.set_exception(exc)
+        else:
+            command.reply.set_result(None)
 
     def _wake(self) -> None:
         """Wake the engine (if it sleeps) and restart the idle clock."""
@@ -432,14 +486,14 @@ class AsyncLLM:
         pending (the loop has ended)."""
         with self._answering_lock:
             self._answering = False
-        waiting: list[_Snapshot | _Sleep | _Wake] = list(self._pending_sleeps)
+        waiting: list[_Replied] = list(self._pending_sleeps)
         self._pending_sleeps = []
         while True:
             try:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 break
-            if isinstance(command, _Snapshot | _Sleep | _Wake):
+            if isinstance(command, _Replied):
                 waiting.append(command)
         for command in waiting:
             if command.reply.set_running_or_notify_cancel():

@@ -12,6 +12,8 @@ setting asks for it:
   (`kv_tier`), or host RAM beside a GPU, by `kv_offloading_size` (`host_kv_tier`);
 - `engine.kv_events`: KV-cache events over ZMQ, chosen by `kv_events_config`
   (`kv_event_publisher`);
+- `engine.lora`: LoRA adapters on the model's projections, chosen by `enable_lora` or
+  `lora_modules` (`lora_adapters`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
   door: the backend registry, `engine.model.attention_backend`.
 
@@ -33,12 +35,13 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import torch
 
 from cache import KVEvent
-from engine.config import ConfigError
+from engine.config import ConfigError, EngineConfig
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+    from engine.adapters import Adapters
     from engine.kv_events_config import KVEventsConfig
     from engine.kv_tier import KVTier, Publish
     from engine.model.loader import Install
@@ -128,6 +131,18 @@ def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> No
         return
     if can_pack(device, dtype):
         pack_linear_layers(model)
+
+
+def lora_adapters(model: PreTrainedModel, device: torch.device, config: EngineConfig) -> Adapters:
+    """Wrap the model's projections for `max_loras` adapters of rank up to `max_lora_rank`
+    (after its linears were quantized or packed) and return its adapters, none yet."""
+    try:
+        from engine.lora.layers import LoRASlots
+        from engine.lora.registry import LoRARegistry
+    except ImportError as exc:
+        raise ConfigError(f"enable_lora: {missing('engine.lora', exc)}") from None
+    slots = LoRASlots(config.max_loras, config.max_lora_rank, device)
+    return LoRARegistry(slots, slots.wrap(model))
 
 
 def grammar_compiler(

@@ -191,6 +191,21 @@ class EngineConfig(BaseModel):
         0, ge=0, description="seconds without a request before the engine sleeps; 0: never"
     )
 
+    # LoRA adapters (engine/lora/, docs/lora.md): PEFT folders served beside the model, a
+    # request selecting one by name; up to max_loras at once, in slots made at start-up.
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (on by itself when lora_modules names any)"
+    )
+    lora_modules: dict[str, str] = Field(
+        default_factory=dict,
+        description="LoRA adapters loaded at start-up, NAME=PATH (a PEFT adapter folder); "
+        "repeat the flag for more",
+    )
+    max_loras: int = Field(4, gt=0, description="LoRA adapters loaded at once; default: 4")
+    max_lora_rank: int = Field(
+        16, gt=0, le=512, description="the largest rank a LoRA adapter may have; default: 16"
+    )
+
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
     # the field and the setting.
@@ -248,6 +263,26 @@ class EngineConfig(BaseModel):
                 raise ValueError(f"not a JSON object: {exc}") from None
         return None if value == {} else value
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _adapters_by_name(cls, value: object) -> object:
+        # NAME=PATH texts (the command line's, repeated), a JSON object (the environment),
+        # or vLLM's JSON form {"name": ..., "path": ...}.
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError:
+                value = [value]
+        if isinstance(value, dict) and set(value) >= {"name", "path"}:
+            value = [value]
+        if isinstance(value, list):
+            return dict(_adapter_entry(entry) for entry in value)
+        return value
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
+
     @field_validator("override_generation_config")
     @classmethod
     def _override_keys_and_values(cls, value: dict[str, Any]) -> dict[str, Any]:
@@ -264,6 +299,17 @@ class EngineConfig(BaseModel):
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def _adapter_entry(entry: object) -> tuple[str, str]:
+    """(name, path) of one `lora_modules` entry: 'NAME=PATH' or {"name", "path"}."""
+    if isinstance(entry, dict) and isinstance(entry.get("name"), str):
+        return entry["name"], str(entry.get("path", ""))
+    if isinstance(entry, str) and "=" in entry:
+        name, _, path = entry.partition("=")
+        if name and path:
+            return name, path
+    raise ValueError(f"{entry!r} is not NAME=PATH")
 
 
 def cache_root() -> Path:

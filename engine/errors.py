@@ -23,9 +23,14 @@ class UnsupportedModelError(ValueError):
     """The model cannot run on paged attention; the message says why."""
 
 
+class AdapterError(ValueError):
+    """A LoRA adapter that cannot be served; the message names the adapter and the reason."""
+
+
 SETTINGS_ERRORS: tuple[type[Exception], ...] = (
     ConfigError,
     ModelLoadError,
     UnsupportedModelError,
     InsufficientKVCacheError,
+    AdapterError,
 )

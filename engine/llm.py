@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +38,7 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One finished `RequestOutput` per prompt, in the order given, with the whole text,
         token ids and logprobs of each sample.
@@ -46,7 +48,8 @@ class LLM:
         defaults in force, see `engine.sampling.params`). Every prompt is
         checked before any runs: one invalid prompt raises ValueError and runs nothing. A
         request the engine fails (a step's error, a prompt the KV cache cannot hold) raises
-        `EngineError` with the reason, and the other requests are aborted.
+        `EngineError` with the reason, and the other requests are aborted. `lora` names the
+        LoRA adapter of every prompt, or of each (None: the base model).
         """
         batch = as_prompt_list(prompts, mixed=True)
         params_list = self._params_per_prompt(sampling_params, len(batch))
@@ -55,6 +58,14 @@ class LLM:
             processor.from_prompt(prompt, params)
             for prompt, params in zip(batch, params_list, strict=True)
         ]
+        if lora is not None:
+            names = [lora] * len(batch) if isinstance(lora, str) else list(lora)
+            if len(names) != len(batch):
+                raise ValueError(f"lora names {len(names)} adapters for {len(batch)} prompts")
+            requests = [
+                dataclasses.replace(request, lora_name=name)
+                for request, name in zip(requests, names, strict=True)
+            ]
         return self._run(requests, use_tqdm)
 
     def chat(

@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from cache import (
     MEDIUM_CPU,
     MEDIUM_GPU,
+    BlockHashes,
     BlockManager,
     bytes_per_block,
     cdiv,
@@ -22,8 +24,10 @@ from cache import (
     profile_num_blocks,
 )
 from engine import capabilities, sleep
+from engine.adapters import Adapters, ServedAdapter
 from engine.capabilities import StepPath
 from engine.config import ConfigError, EngineConfig, cache_root
+from engine.errors import AdapterError
 from engine.kv_tier import KVTier
 from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
@@ -124,6 +128,7 @@ class LLMEngine:
             folder = Path(loaded.source)
             capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
         capabilities.pack(self.model, self.device, self.dtype)
+        self.adapters = self._adapters(config)
         self.compiled = self._compiles(config)
         self.decode_graphs = self._captures_decode(config)
         model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
@@ -291,6 +296,10 @@ class LLMEngine:
         choice there). Unset on CUDA otherwise stays eager, with one warning that says why."""
         if self.compiled or config.enforce_eager:
             return False
+        if self.adapters is not None:
+            # A captured graph would replay the LoRA rows of the step it was captured in.
+            logger.warning("decode steps eager, not captured: LoRA adapters are enabled")
+            return False
         if config.enforce_eager is False:
             return True
         if self.device.type != "cuda":
@@ -305,6 +314,16 @@ class LLMEngine:
             logger.warning("decode steps eager, not captured: %s", reason)
             return False
         return True
+
+    def _adapters(self, config: EngineConfig) -> Adapters | None:
+        """The LoRA room's adapters over the model's projections, with `lora_modules`
+        loaded (an AdapterError names a bad one); None without LoRA."""
+        if not config.lora_enabled:
+            return None
+        adapters = capabilities.lora_adapters(self.model, self.device, config)
+        for name, path in config.lora_modules.items():
+            adapters.add(adapters.read(name, path))
+        return adapters
 
     def _step_path(self) -> StepPath:
         """The path every step takes (see `_compiles` and `decode_graphs`)."""
@@ -451,9 +470,10 @@ class LLMEngine:
         """Schedule a request that `processor` (or a processor of this engine) made."""
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        adapter = self._adapter(request.lora_name)
         state = RequestState.create(
             request_id, request, self.eos_token_ids, self.tokenizer, self._token_texts,
-            self.device, self.grammars, self._prompt_hashes(request),
+            self.device, self.grammars, self._prompt_hashes(request, adapter), adapter,
         )  # fmt: skip
         self._requests[request_id] = state
         self._prompt_tokens_total += len(request.prompt_token_ids) * request.params.n
@@ -461,12 +481,39 @@ class LLMEngine:
             self._samples[sample.seq.seq_id] = sample
             self.scheduler.add(sample.seq)
 
-    def _prompt_hashes(self, request: EngineRequest) -> tuple[int, ...]:
-        """The prompt's block hashes that its samples start from: those it came with, and
-        for n > 1 all of them, hashed once here rather than once per sample."""
+    def remove_lora(self, name: str) -> None:
+        """Stop serving the LoRA adapter `name` (AdapterError if it is not served); its
+        slot is freed once no unfinished sequence uses it, now if none does."""
+        if self.adapters is None or self.adapters.get(name) is None:
+            raise AdapterError(f"no LoRA adapter named '{name}' is loaded")
+        self.adapters.remove(name)
+        self._free_adapter_slots()
+
+    def _free_adapter_slots(self) -> None:
+        if self.adapters is not None and self.adapters.removing:
+            self.adapters.free_unused(sample.seq.lora_slot for sample in self._samples.values())
+
+    def _adapter(self, name: str | None) -> ServedAdapter | None:
+        """The LoRA adapter named `name` (None: the base model); ValueError if it is not
+        served (it was unloaded after the request was routed to it)."""
+        if name is None:
+            return None
+        adapter = None if self.adapters is None else self.adapters.get(name)
+        if adapter is None:
+            raise ValueError(f"no LoRA adapter named '{name}' is loaded")
+        return adapter
+
+    def _prompt_hashes(
+        self, request: EngineRequest, adapter: ServedAdapter | None
+    ) -> tuple[int, ...]:
+        """The prompt's block hashes that its samples start from: those it came with (the
+        base model's), and for n > 1 all of them, hashed once here rather than once per
+        sample (onto an adapter's root for its requests)."""
+        given = request.block_hashes if adapter is None else ()
         if request.params.n == 1 or not self.config.enable_prefix_caching:
-            return request.block_hashes
-        hashes = list(request.block_hashes)
+            return given
+        hashes = BlockHashes(None if adapter is None else adapter.root)
+        hashes.extend(given)
         extend_block_hashes(hashes, request.prompt_token_ids, self.block_size)
         return tuple(hashes)
 
@@ -525,6 +572,7 @@ class LLMEngine:
             outputs.append(state.take_output())
             if state.finished:
                 self._forget(state)
+        self._free_adapter_slots()
         return outputs
 
     def _finish_loads(self, wait: float) -> None:
@@ -606,6 +654,12 @@ class LLMEngine:
             touched[state.request_id] = state
         if not batch.scheduled:
             return None
+        if self.adapters is not None:
+            scheduled = batch.scheduled
+            self.adapters.set_step(
+                np.repeat([item.seq.lora_slot for item in scheduled],
+                          [item.num_new_tokens for item in scheduled])
+            )  # fmt: skip
         try:
             return _Launched(batch, self.runner.execute(batch.scheduled))
         except Exception as exc:

@@ -108,6 +108,8 @@ def _add_settings(parser: argparse.ArgumentParser) -> None:
             )
             continue
         options: dict[str, Any] = {"default": None, "help": help_text}
+        if name == "lora_modules":
+            options["action"] = "append"
         if name == "model":
             options["action"] = "append"
             options["help"] = (

@@ -39,7 +39,9 @@ class Sequence:
       (its blocks still fill the cache for others).
     - `block_hashes` holds the chained prefix-cache hashes of the first full blocks of
       `token_ids` (see `cache.extend_block_hashes`); the block manager extends it as it
-      needs more, so each block of the sequence is hashed once in its life.
+      needs more, so each block of the sequence is hashed once in its life. A sequence of
+      a LoRA adapter runs in its `lora_slot` (-1: the base model) and its hashes are a
+      `cache.BlockHashes` chained onto the adapter's root.
     """
 
     seq_id: str
@@ -60,6 +62,7 @@ class Sequence:
     num_preemptions: int = 0
     prompt_logprobs: bool = False
     block_hashes: list[int] = field(default_factory=list)
+    lora_slot: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None

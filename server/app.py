@@ -23,7 +23,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.async_llm import AsyncLLM
-from server import capabilities, chat, completions, info, responses, sleep, tokenization
+from server import capabilities, chat, completions, info, lora, responses, sleep, tokenization
 from server import models as models_routes
 from server.anthropic import messages
 from server.config import ServeConfig
@@ -79,6 +79,7 @@ def build_app(
     app.include_router(tokenization.router)
     app.include_router(responses.router)
     app.include_router(sleep.router)
+    app.include_router(lora.router)
     capabilities.install_dashboard(app)
     return app
 

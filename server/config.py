@@ -176,6 +176,11 @@ class ServeConfig(EngineConfig):
     autoload: bool = Field(
         True, description="load a model on its first request (else only by /models/load)"
     )
+    allow_runtime_lora_updating: bool = Field(
+        False,
+        description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's); "
+        "turns enable_lora on",
+    )
 
     max_tools: int = Field(
         128,
@@ -224,8 +229,11 @@ class ServeConfig(EngineConfig):
             return self
         if not self.models:
             raise ValueError("models must name at least one model")
-        if {"model", "served_model_name"} & self.model_fields_set:
-            raise ValueError("models names each model: give model or models, not both")
+        if {"model", "served_model_name", "lora_modules"} & self.model_fields_set:
+            raise ValueError(
+                "models names each model: give model or models, not both (and lora_modules "
+                "in each model's entry)"
+            )
         names = [entry.name for entry in self.models]
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -255,6 +263,7 @@ class ServeConfig(EngineConfig):
         values = {key: getattr(self, key) for key in EngineConfig.model_fields}
         if entry is not None:
             values |= (entry.model_extra or {}) | {"model": entry.model}
+        values["enable_lora"] = values["enable_lora"] or self.allow_runtime_lora_updating
         return EngineConfig(**values)
 
 

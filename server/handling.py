@@ -78,6 +78,8 @@ class Handling:
     model: ServedModel
     llm: AsyncLLM
     deadline: Deadline | None
+    # The LoRA adapter the request named as its model (None: the model itself).
+    adapter: str | None = None
 
     @classmethod
     async def begin(cls, request: Request, model: str, keep_alive: float | None = None) -> Handling:
@@ -86,13 +88,13 @@ class Handling:
         `keep_alive`: the request's, which becomes the model's."""
         state = server_state(request)
         deadline = request_deadline(state.config, request)
-        served = await state.models.lease(request, model, keep_alive, deadline)
-        return cls(request, state, served, served.ready_llm(), deadline)
+        served, adapter = await state.models.lease(request, model, keep_alive, deadline)
+        return cls(request, state, served, served.ready_llm(), deadline, adapter)
 
     @property
     def model_name(self) -> str:
-        """The name responses carry: the model's served name."""
-        return self.model.name
+        """The name responses carry: the adapter's, else the model's served name."""
+        return self.adapter or self.model.name
 
     def reasoning_syntax(self) -> ReasoningSyntax | None:
         """How the model reasons (the `reasoning_parser` setting); None: it does not."""
@@ -217,12 +219,10 @@ async def generate(
     504 of `deadline_exceeded` (the time a consumer spends between items counts, but the
     check is made when it asks for the next one).
     """
-    state, llm, deadline, name = (
-        handling.state,
-        handling.llm,
-        handling.deadline,
-        handling.model_name,
-    )
+    state, llm, deadline = handling.state, handling.llm, handling.deadline
+    name = handling.model.name  # the metrics' model_name: an adapter's requests count there
+    if handling.adapter is not None:
+        requests = [dataclasses.replace(r, lora_name=handling.adapter) for r in requests]
     streams = [llm.generate(request, f"{request_id}-{i}") for i, request in enumerate(requests)]
     wholes: dict[int, RequestOutput] = {}
     first_tokens: set[int] = set()  # the prompts whose TTFT is recorded

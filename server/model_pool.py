@@ -22,6 +22,7 @@ set, an unloaded one's None, and requests arriving while it unloads wait and loa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import gc
 import logging
@@ -37,7 +38,7 @@ import psutil
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from engine.errors import SETTINGS_ERRORS, ModelLoadError
+from engine.errors import SETTINGS_ERRORS, AdapterError, ModelLoadError
 from engine.model.loader import resolve_model_source, weights_bytes
 from engine.sleep import trim_heap
 from server.admission import Deadline
@@ -92,6 +93,9 @@ class ServedModel:
     loading: asyncio.Task[None] | None = field(default=None, repr=False)
     unloading: bool = False
     load_seconds: float = 0.0
+    # Its LoRA adapters, name -> folder: `lora_modules` and those loaded at run time; an
+    # engine loads with all of them.
+    adapters: dict[str, str] = field(default_factory=dict)
     _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
     _expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
     _tool_calling: tuple[ToolCalling | None] | None = field(default=None, repr=False)
@@ -162,7 +166,10 @@ class ModelPool:
             keep_alive = config.keep_alive
             if entry is not None and entry.keep_alive is not None:
                 keep_alive = entry.keep_alive
-            self.models[name] = ServedModel(name, root, engine_config, keep_alive, model_tool_room)
+            self.models[name] = ServedModel(
+                name, root, engine_config, keep_alive, model_tool_room,
+                adapters=dict(engine_config.lora_modules),
+            )  # fmt: skip
 
     @property
     def first(self) -> ServedModel:
@@ -202,12 +209,40 @@ class ModelPool:
             )
         return found
 
+    def resolve(self, name: str) -> tuple[ServedModel, str | None] | None:
+        """The model requests call `name` and None, or the model whose LoRA adapter it is
+        and the adapter; None if neither (a single model still loading: a 503)."""
+        for model in self.models.values():
+            if name in model.adapters:
+                return model, name
+        try:
+            return self.find(name), None
+        except OpenAIError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def lookup(self, name: str) -> tuple[ServedModel, str | None]:
+        """`resolve`, or a 404 naming every model and adapter served."""
+        found = self.resolve(name)
+        if found is not None:
+            return found
+        names = [name for model in self.models.values() for name in (model.name, *model.adapters)]
+        served = ", ".join(f"'{known}'" for known in names)
+        raise OpenAIError(
+            404,
+            f"the model '{name}' does not exist; this server serves {served}",
+            param="model",
+            code="model_not_found",
+        )
+
     async def acquire(
         self, name: str, keep_alive: float | None = None, deadline: Deadline | None = None
-    ) -> ServedModel:
-        """The loaded model named `name`, held for one more user (`release` lets go),
-        loading it first if need be (within `deadline`); `keep_alive` becomes its own."""
-        model = self.find(name)
+    ) -> tuple[ServedModel, str | None]:
+        """The loaded model named `name` (or whose LoRA adapter `name` is, and the adapter),
+        held for one more user (`release` lets go), loading it first if need be (within
+        `deadline`); `keep_alive` becomes its own."""
+        model, adapter = self.lookup(name)
         if keep_alive is not None:
             model.keep_alive = keep_alive
         if model.llm is None or model.unloading:
@@ -226,15 +261,33 @@ class ModelPool:
                 assert deadline is not None
                 raise deadline_exceeded(deadline.timeout, 0) from None
         model.hold()
-        return model
+        return model, adapter
 
     async def lease(
         self, request: Request, name: str, keep_alive: float | None, deadline: Deadline | None
-    ) -> ServedModel:
+    ) -> tuple[ServedModel, str | None]:
         """`acquire`, released by `ModelLeases` once the response to `request` is sent."""
-        model = await self.acquire(name, keep_alive, deadline)
+        model, adapter = await self.acquire(name, keep_alive, deadline)
         request.scope.setdefault(LEASES, []).append(functools.partial(self.release, model))
-        return model
+        return model, adapter
+
+    async def add_adapter(self, model: ServedModel, name: str, path: str) -> None:
+        """Load the LoRA adapter in `path` as `name` on `model` (loaded first if need be);
+        AdapterError naming what is wrong with it. It stays with the model's later loads."""
+        await self.load(model)
+        model.hold()
+        try:
+            await model.ready_llm().load_lora(name, path)
+            model.adapters[name] = path
+        finally:
+            self.release(model)
+
+    async def remove_adapter(self, model: ServedModel, name: str) -> None:
+        """Stop serving `model`'s adapter `name` (its requests in flight finish with it)."""
+        model.adapters.pop(name, None)
+        if model.llm is not None:
+            with contextlib.suppress(AdapterError):  # an engine that never had it
+                await model.llm.unload_lora(name)
 
     def release(self, model: ServedModel) -> None:
         """One user of `model` is done; the last one starts its keep_alive."""
@@ -286,7 +339,8 @@ class ModelPool:
                 started = time.monotonic()
                 try:
                     await self._make_room(model)
-                    llm = await asyncio.to_thread(self._factory, model.config)
+                    config = model.config.model_copy(update={"lora_modules": dict(model.adapters)})
+                    llm = await asyncio.to_thread(self._factory, config)
                 except Exception as exc:
                     self._load_failed(model, exc)
                     raise _load_error(model, exc) from exc
@@ -395,8 +449,7 @@ class ModelPool:
         if failure is None:
             return
         logger.error(
-            "the engine died (%s: %s): the requests in flight of '%s' were failed with an "
-            "error",
+            "the engine died (%s: %s): the requests in flight of '%s' were failed with an error",
             type(failure).__name__,
             failure,
             model.name,

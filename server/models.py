@@ -1,5 +1,6 @@
-"""The model endpoints: GET /v1/models (every configured model with its state), and
-llama-server's POST /models/load and POST /models/unload (`{"model": NAME}`)."""
+"""The model endpoints: GET /v1/models (every configured model with its state, and its
+LoRA adapters with their `parent`), and llama-server's POST /models/load and POST
+/models/unload (`{"model": NAME}`)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,25 @@ async def list_models(request: Request) -> ModelList:
     models = state.models
     if models.single and models.first.llm is None and models.first.state != "unloaded":
         models.first.ready_llm()  # raises the 503 of a model still loading or failed
-    return ModelList(data=[_card(model, state.started_at) for model in models.models.values()])
+    cards = []
+    for model in models.models.values():
+        cards.append(_card(model, state.started_at, model.name, model.root))
+        for name, path in model.adapters.items():
+            cards.append(_card(model, state.started_at, name, path, parent=model.name))
+    return ModelList(data=cards)
 
 
-def _card(model: ServedModel, created: int) -> ModelCard:
+def _card(
+    model: ServedModel, created: int, name: str, root: str, parent: str | None = None
+) -> ModelCard:
+    """The card of `model` (or of its LoRA adapter `name`, whose `root` is its folder)."""
     llm = model.llm
     return ModelCard(
-        id=model.name,
+        id=name,
         created=created,
-        root=model.root,
+        root=root,
         state=model.state,
+        parent=parent,
         max_model_len=None if llm is None else llm.max_model_len,
         default_sampling_params=None if llm is None else llm.default_sampling,
     )

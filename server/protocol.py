@@ -740,11 +740,28 @@ class ModelCard(_Response):
     root: str
     # unloaded, loading, loaded, sleeping or failed (server/model_pool.py: ModelState).
     state: str
+    # A LoRA adapter's: the model it runs on (vLLM's field); None for a model.
+    parent: str | None = None
     # Known once the model is loaded (None before).
     max_model_len: int | None
     # The defaults for sampling fields a request leaves out, in SamplingParams' names
     # (engine/sampling/params.py); {}: SamplingParams' neutral ones; None until loaded.
     default_sampling_params: dict[str, Any] | None
+
+
+class LoadLoRARequest(_Body):
+    """POST /v1/load_lora_adapter (vLLM's); `model`: the base model, default the first."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+
+
+class UnloadLoRARequest(_Body):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None
 
 
 class ModelAction(_Body):

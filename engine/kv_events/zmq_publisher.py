@@ -4,11 +4,11 @@ a router written for vLLM's events (its example subscriber, llm-d, Dynamo) reads
 Wire format: each batch is one PUB message `[topic, seq (8 bytes, big-endian), payload]`,
 the payload msgpack of vLLM's array-like `KVEventBatch`: `[ts, [event, ...]]`, an event
 an array led by its tag: `["BlockStored", hashes, parent, token_ids, block_size, lora_id,
-medium, lora_name]` (the LoRA fields always None), `["BlockRemoved", hashes, medium]`,
-`["AllBlocksCleared"]`. A client may ask the ROUTER at `replay_endpoint` for every
-buffered batch from a sequence number on (`[b"", start]`, 8 bytes big-endian, from a
-DEALER: a REQ socket takes only the first reply); the answer is `[b"", seq, payload]`
-per batch, then `[b"", -1 (8 bytes, signed), b""]`.
+medium, lora_name]` (`lora_id` always None: adapters are named, not numbered),
+`["BlockRemoved", hashes, medium]`, `["AllBlocksCleared"]`. A client may ask the ROUTER
+at `replay_endpoint` for every buffered batch from a sequence number on (`[b"", start]`,
+8 bytes big-endian, from a DEALER: a REQ socket takes only the first reply); the answer is
+`[b"", seq, payload]` per batch, then `[b"", -1 (8 bytes, signed), b""]`.
 
 Invariants: sequence numbers start at 0 and increase by exactly one per batch sent; a
 batch is sent whole or dropped whole (its queue full, or a failed send), and a drop
@@ -41,7 +41,10 @@ def encode_event(event: KVEvent) -> list[Any]:
     """One event as vLLM's msgspec tagged, array-like struct encodes it."""
     if isinstance(event, BlockStored):
         hashes, parent, tokens = event.block_hashes, event.parent_block_hash, event.token_ids
-        return ["BlockStored", hashes, parent, tokens, event.block_size, None, event.medium, None]
+        return [
+            "BlockStored", hashes, parent, tokens, event.block_size, None, event.medium,
+            event.lora_name,
+        ]  # fmt: skip
     if isinstance(event, BlockRemoved):
         return ["BlockRemoved", event.block_hashes, event.medium]
     return ["AllBlocksCleared"]  # vLLM's has no fields: the medium is not sent

@@ -54,6 +54,8 @@ class EngineRequest:
     # The chained prefix-cache hashes of the prompt's first full blocks at the engine's
     # block size, when they came with it (`RenderedPrompt`); the engine hashes the rest.
     block_hashes: tuple[int, ...] = ()
+    # The LoRA adapter it runs with (engine/adapters.py); None: the base model.
+    lora_name: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from cache import BlockHashes
+from engine.adapters import ServedAdapter
 from engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from engine.request.detokenizer import IncrementalDetokenizer, TokenTexts
 from engine.request.intake import EngineRequest
@@ -45,11 +47,13 @@ class RequestState:
         device: torch.device,
         grammars: ConstraintCompiler | None = None,
         prompt_hashes: tuple[int, ...] = (),
+        adapter: ServedAdapter | None = None,
     ) -> RequestState:
         """The request's samples, each with its own RNG (if seeded) and grammar matcher
         (if the request has a grammar: then `grammars` must be the compiler that made it),
         each starting from `prompt_hashes`, the chained hashes of the prompt's first full
-        blocks at the engine's block size."""
+        blocks at the engine's block size (onto `adapter`'s root: its samples run in its
+        LoRA slot)."""
         state = cls(request_id, request)
         params, prompt_ids = request.params, request.prompt_token_ids
         wants_prompt_logprobs = params.prompt_logprobs is not None
@@ -62,6 +66,9 @@ class RequestState:
                 seq_id, request_id, prompt_ids, request.max_tokens, index=index,
                 priority=params.priority, prompt_logprobs=wants_prompt_logprobs and index == 0,
             )  # fmt: skip
+            if adapter is not None:
+                seq.lora_slot = adapter.slot
+                seq.block_hashes = BlockHashes(adapter.root, adapter.name)
             seq.block_hashes.extend(prompt_hashes)
             generator = (
                 None if params.seed is None else seeded_generator(params.seed, index, device)
