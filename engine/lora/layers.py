@@ -7,12 +7,14 @@ it. Every one of them holds the A and B matrices of all `max_loras` slots stacke
 adapter, a smaller rank or no weights for that projection. A step's rows name their slot
 (`set_step`: one per token, -1 for the base model); a projection computes its base output
 for every row, then for the rows with an adapter `h = x A^T`, keeps the columns of each
-row's own slot (a 0/1 mask), and adds `(h B^T) * scaling`, peft's order of operations.
+row's own slot times its adapter's scaling (a 0/scaling mask), and adds `h B^T` (peft
+scales after B: the same value, rounded once differently unless the scaling is a power of
+two, as `lora_alpha = 2 r` makes it).
 
 Invariant: a row's bits depend only on the row, its slot and the slots' weights, never on
 the step's other rows: both products run on oneDNN's packed fp32 linear, which gives a row
-the same bits at any row count (`engine.linears.packed_linear`), and the mask, the
-scaling and the add are elementwise; the other slots' columns of `h` are zeros after the
+the same bits at any row count (`engine.linears.packed_linear`), and the mask and the add
+are elementwise; the other slots' columns of `h` are zeros after the
 mask, and adding their zero products changes no sum. Rows without an adapter are not
 touched, so the base model's rows keep exactly the bits they have without LoRA.
 
@@ -67,12 +69,11 @@ class _Product:
 
 @dataclass(slots=True)
 class _Step:
-    """The rows of a step that have an adapter: their indices, each one's column mask over
-    the stacked ranks, and its scaling."""
+    """The rows of a step that have an adapter: their indices (None: every row has one),
+    and each one's column mask over the stacked ranks, times its scaling."""
 
-    rows: torch.Tensor
-    mask: torch.Tensor
-    scaling: torch.Tensor
+    rows: torch.Tensor | None
+    scaled_mask: torch.Tensor
 
 
 class LoRASlots:
@@ -129,10 +130,10 @@ class LoRASlots:
             self.step = None
             return
         slots = torch.from_numpy(token_slots[active]).to(self.device)
+        rows = None if active.size == token_slots.size else torch.from_numpy(active)
         self.step = _Step(
-            torch.from_numpy(active).to(self.device),
-            self._bands[slots],
-            self._scaling[slots].unsqueeze(1),
+            None if rows is None else rows.to(self.device),
+            self._bands[slots] * self._scaling[slots].unsqueeze(1),
         )
 
 
@@ -167,10 +168,14 @@ class LoRALinear(OpaqueLinear):
         if step is None or self._products is None:
             return y
         a, b = self._products
-        rows = step.rows
-        h = a(x.reshape(-1, self.in_features).index_select(0, rows).float()) * step.mask
-        delta = b(h) * step.scaling
+        x = x.reshape(-1, self.in_features)
         out = y.view(-1, self.out_features)
+        if step.rows is None and x.shape[0] == step.scaled_mask.shape[0]:
+            out.add_(b(a(x.float()) * step.scaled_mask).to(y.dtype))
+            return y
+        # Some rows have no adapter, or the step was padded with rows (compiled steps).
+        rows = step.rows if step.rows is not None else torch.arange(step.scaled_mask.shape[0])
+        delta = b(a(x.index_select(0, rows).float()) * step.scaled_mask)
         out.index_copy_(0, rows, out.index_select(0, rows) + delta.to(y.dtype))
         return y
 
