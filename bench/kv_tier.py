@@ -177,6 +177,19 @@ def start_server(command: Sequence[str], url: str, log: Path) -> subprocess.Pope
         time.sleep(0.5)
 
 
+def start_pagedserve(
+    config: str, flags: Sequence[str], name: str
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`pagedserve serve --config CONFIG FLAGS` on a free loopback port, its log in a
+    temporary folder named after `name`, once healthy: the process and its URL."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    command = [sys.executable, "-m", "pagedserve", "serve", "--config", config,
+               "--host", "127.0.0.1", "--port", str(port), *flags]  # fmt: skip
+    log = Path(tempfile.mkdtemp(prefix=f"{name}-")) / "server.log"
+    return start_server(command, url, log), url
+
+
 def tier_hits(url: str) -> int:
     """Prompt tokens the server has loaded from its tier (0 where the tier is off)."""
     families = text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text)

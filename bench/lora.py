@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -25,10 +24,10 @@ from pathlib import Path
 
 import httpx
 
-from bench.kv_tier import start_server
+from bench.kv_tier import start_pagedserve
 from bench.run_all import stop_server
 from bench.serve import WORDS
-from bench.tables import format_table, free_port
+from bench.tables import format_table
 
 # name -> (rank, target modules)
 ADAPTERS = {
@@ -91,12 +90,7 @@ async def load(url: str, models: list[str], args: argparse.Namespace) -> float:
 
 
 def serve(args: argparse.Namespace, extra: list[str], loads: dict[str, list[str]]) -> dict:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pagedserve", "serve", "--config", args.config,
-               "--host", "127.0.0.1", "--port", str(port), *extra, *args.server_args]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="bench-lora-")) / "server.log"
-    server = start_server(command, url, log)
+    server, url = start_pagedserve(args.config, [*extra, *args.server_args], "bench-lora")
     try:
         base = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
         asyncio.run(load(url, [base], argparse.Namespace(**{**vars(args), "requests": 8})))

@@ -13,18 +13,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 
-from bench.kv_tier import start_server
+from bench.kv_tier import start_pagedserve
 from bench.run_all import stop_server
 from bench.sleep import rss_mib
-from bench.tables import format_table, free_port
+from bench.tables import format_table
 
 
 def timed(call: httpx.Client, path: str, body: dict | None = None) -> float:
@@ -35,12 +32,7 @@ def timed(call: httpx.Client, path: str, body: dict | None = None) -> float:
 
 
 def run(args: argparse.Namespace) -> tuple[list[list[str]], list[list[str]]]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pagedserve", "serve", "--config", args.config,
-               "--host", "127.0.0.1", "--port", str(port), *args.server_args]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="bench-models-")) / "server.log"
-    server = start_server(command, url, log)
+    server, url = start_pagedserve(args.config, args.server_args, "bench-models")
     request = {"model": args.model, "prompt": "The river towns of the north", "max_tokens": 16,
                "temperature": 0}  # fmt: skip
     loads, firsts, unloads, resident, loaded = [], [], [], [], []

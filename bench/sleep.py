@@ -13,19 +13,16 @@ from __future__ import annotations
 import argparse
 import random
 import statistics
-import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import httpx
 import psutil
 
-from bench.kv_tier import start_server
+from bench.kv_tier import start_pagedserve
 from bench.run_all import stop_server
 from bench.serve import WORDS
-from bench.tables import format_table, free_port
+from bench.tables import format_table
 
 
 def rss_mib(pid: int) -> float:
@@ -43,12 +40,7 @@ def request_seconds(url: str, rng: random.Random, words: int) -> float:
 
 
 def run(args: argparse.Namespace) -> list[list[str]]:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pagedserve", "serve", "--config", args.config,
-               "--host", "127.0.0.1", "--port", str(port), *args.server_args]  # fmt: skip
-    log = Path(tempfile.mkdtemp(prefix="bench-sleep-")) / "server.log"
-    server = start_server(command, url, log)
+    server, url = start_pagedserve(args.config, args.server_args, "bench-sleep")
     rng = random.Random(0)
     rows = []
     try:

@@ -245,12 +245,7 @@ class EngineConfig(BaseModel):
     @classmethod
     def _override_from_json(cls, value: object) -> object:
         # The command line and the environment give a JSON object as text.
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not a JSON object: {exc}") from None
-        return value
+        return from_json(value, "a JSON object")
 
     @field_validator("speculative_config", "kv_events_config", mode="before")
     @classmethod
@@ -299,6 +294,17 @@ class EngineConfig(BaseModel):
 
 
 ConfigT = TypeVar("ConfigT", bound=BaseModel)
+
+
+def from_json(value: object, what: str) -> object:
+    """`value` parsed as JSON if it is text (a setting's value from the command line or the
+    environment), else `value`; ValueError saying it is not `what`."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not {what}: {exc}") from None
 
 
 def _adapter_entry(entry: object) -> tuple[str, str]:

@@ -7,7 +7,6 @@ environment variables, the command line.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -25,7 +24,7 @@ from pydantic import (
     model_validator,
 )
 
-from engine.config import ENV_PREFIX, EngineConfig, cache_root, load_config
+from engine.config import ENV_PREFIX, EngineConfig, cache_root, from_json, load_config
 
 # The settings of configs/default.yaml, embedded so that `pagedserve serve` with no config
 # and no model serves the embedded model the same way wherever the package is installed
@@ -216,12 +215,7 @@ class ServeConfig(EngineConfig):
     @classmethod
     def _models_from_json(cls, value: object) -> object:
         # The environment gives a JSON list as text.
-        if isinstance(value, str):
-            try:
-                return json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"not a JSON list: {exc}") from None
-        return value
+        return from_json(value, "a JSON list")
 
     @model_validator(mode="after")
     def _models_are_distinct_and_valid(self) -> ServeConfig:
