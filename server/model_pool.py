@@ -412,10 +412,17 @@ class ModelPool:
             task.add_done_callback(_retrieve)
 
     async def _unload_if_expired(self, model: ServedModel) -> None:
+        """Unload `model` if it is idle past its keep_alive; if it is idle but not quite
+        (asyncio may run a timer up to its clock's resolution early), look again then."""
         async with self._lock:
-            expired = time.monotonic() - model.last_used >= model.keep_alive
-            if model.llm is not None and model.idle() and expired:
-                await self._unload(model)
+            if model.llm is None or not model.idle() or not math.isfinite(model.keep_alive):
+                return
+            remaining = model.last_used + model.keep_alive - time.monotonic()
+            if remaining > 0:
+                loop = asyncio.get_running_loop()
+                model._expiry = loop.call_later(remaining, self._start_unload, model)
+                return
+            await self._unload(model)
 
     async def _unload_when_idle(self, model: ServedModel) -> float:
         async with self._lock:
