@@ -35,6 +35,22 @@ logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 CLOSE_TIMEOUT_S = 10.0
+# How long one replay may wait for a slow client's queue, in all, before it gives up.
+REPLAY_TIMEOUT_S = 10.0
+
+
+def _send_replayed(replay: zmq.Socket, frames: list[bytes], deadline: float) -> None:
+    """Send one replayed batch, waiting while the client's queue is full (on a busy
+    machine its reader may lag a burst of a thousand); zmq.Again past `deadline`, and
+    zmq.ZMQError if the client is gone."""
+    while True:
+        try:
+            replay.send_multipart(frames, flags=zmq.NOBLOCK)
+            return
+        except zmq.Again:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.002)  # a ROUTER polls writable whatever one peer's queue holds
 
 
 def encode_event(event: KVEvent) -> list[Any]:
@@ -91,8 +107,10 @@ class ZmqEventPublisher:
             _bind(self._pub, "endpoint", config.endpoint)
             if config.replay_endpoint is not None:
                 self._replay = self._context.socket(zmq.ROUTER)
-                # a whole replay fits in the client's queue (the default keeps 1000)
+                # a whole replay fits in the client's queue (the default keeps 1000); past
+                # it a send waits for room (`_send_replayed`) instead of being dropped
                 self._replay.setsockopt(zmq.SNDHWM, config.buffer_steps + 1)
+                self._replay.setsockopt(zmq.ROUTER_MANDATORY, 1)
                 _bind(self._replay, "replay_endpoint", config.replay_endpoint)
         except BaseException:
             self._close_zmq()
@@ -166,10 +184,11 @@ class ZmqEventPublisher:
             return
         client, _, start = frames
         first = int.from_bytes(start, "big")
+        deadline = time.monotonic() + REPLAY_TIMEOUT_S
         for seq, payload in self._buffer:
             if seq >= first:
-                replay.send_multipart([client, b"", seq.to_bytes(8, "big"), payload])
-        replay.send_multipart([client, b"", END_SEQ, b""])
+                _send_replayed(replay, [client, b"", seq.to_bytes(8, "big"), payload], deadline)
+        _send_replayed(replay, [client, b"", END_SEQ, b""], deadline)
 
     def _close_zmq(self) -> None:
         for socket in (self._pub, self._replay):
