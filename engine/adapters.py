@@ -43,8 +43,6 @@ class Adapters(Protocol):
 
     def get(self, name: str) -> ServedAdapter | None: ...
 
-    def served(self) -> list[ServedAdapter]: ...
-
     @property
     def removing(self) -> bool:
         """Whether a removed adapter's slot waits to be freed."""

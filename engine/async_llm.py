@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from engine.adapters import ServedAdapter
 from engine.config import EngineConfig
 from engine.errors import AdapterError, EngineError
 from engine.llm_engine import LLMEngine
@@ -331,11 +330,6 @@ class AsyncLLM:
         reply: Future[None] = Future()
         self._post_with_reply(_Adapter(None, name, reply))
         await asyncio.wrap_future(reply)
-
-    def lora_adapters(self) -> list[ServedAdapter]:
-        """The adapters served (read from any thread)."""
-        adapters = self.engine.adapters
-        return [] if adapters is None else adapters.served()
 
     def _post_with_reply(self, command: _Replied) -> None:
         """Queue a command whose reply the loop answers, or fail it if the loop has ended."""

@@ -76,9 +76,6 @@ class LoRARegistry:
     def get(self, name: str) -> ServedAdapter | None:
         return self._served.get(name)
 
-    def served(self) -> list[ServedAdapter]:
-        return list(self._served.values())
-
 
 def _root(adapter: LoRAAdapter) -> int:
     digest = xxhash.xxh3_64(repr(adapter.scaling).encode())
