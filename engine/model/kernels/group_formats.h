@@ -150,8 +150,9 @@ struct QuantizedRows {
   std::unique_ptr<int8_t[]> codes256;  // [m, k], per super-block
   std::unique_ptr<float[]> scales256;  // [m, k / 256]
   std::unique_ptr<int32_t[]> sums16;   // [m, k / 16]
-  // The codes again, rows interleaved in runs of 4 (AVX2's decoded tiles; else empty): row
-  // r's input i at ((r / 4) * k + (i / 4) * 16 + (r % 4) * 4 + i % 4), rows past m zero.
+  // The codes again, rows interleaved 12 at a time (AVX2's decoded tiles; else empty): row
+  // r's input i at ((r / 12) * 12 * k + (i / 4) * 48 + (r % 12) * 4 + i % 4), rows past m
+  // zero.
   std::unique_ptr<int8_t[]> runs;     // of `codes`
   std::unique_ptr<int8_t[]> runs256;  // of `codes256`
   // Per super-block (AVX2), the int16 pairs its epilogues multiply by pairs of small scales:

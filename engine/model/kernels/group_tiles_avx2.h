@@ -21,7 +21,10 @@
 // 2-core Zen 3 (one thread, the two builds' calls alternating) 1.03-1.46x the runs' speed
 // at 8 to 256 rows of a 1B model's Q4_K, Q6_K and Q4_0 shapes, 1.01-1.29x at 8 to 64 rows
 // of SmolLM2-135M's; at 4 rows decoding a tile cost more than it saved (0.93x on
-// SmolLM2's), hence `kDecodedMinRows`.
+// SmolLM2's), hence `kDecodedMinRows`. Runs of 6 rows instead of 4 over 4-bit codes
+// (`decoded_run`) took a 1B model's Q4_K gate from 64-67 to 76-78 GMAC/s at 64 and 256 rows
+// and from 41-59 to 53-60 at 8 (one thread, best of 9 calls, three alternating rounds); 6-bit
+// codes, which widen after every pair of code vectors, spilled at 6 and keep runs of 4.
 
 #pragma once
 
@@ -36,9 +39,9 @@ namespace pagedserve_groups {
 
 constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
 // Calls of at least kDecodedMinRows rows run codes of 4 to 6 bits on decoded tiles, in runs
-// of kDecodedRun rows (see `decoded_tile`).
+// of `decoded_run` rows (see `decoded_tile`), from x's rows interleaved kInterleave at a time.
 constexpr int64_t kDecodedMinRows = 8;
-constexpr int64_t kDecodedRun = 4;
+constexpr int64_t kInterleave = 12;
 // How far ahead of the group being computed its codes are prefetched into the L2 (measured
 // at 12, 16, 24 and 32 KB on the 2-core Zen 3: 16 to 24 KB ran fastest).
 constexpr int64_t kPrefetchBytes = 20 * 1024;
@@ -95,15 +98,15 @@ void quantize_super_block8(const T* x, int64_t r, int64_t b, int64_t k, Quantize
 
 // Rows r of `codes` [m, k] into `runs`, interleaved as QuantizedRows states.
 inline void interleave_row(const int8_t* codes, int64_t r, int64_t k, int8_t* runs) {
-  int8_t* out = runs + (r / kDecodedRun) * kDecodedRun * k + (r % kDecodedRun) * 4;
-  for (int64_t i = 0; i < k; i += 4) std::memcpy(out + i * kDecodedRun, codes + r * k + i, 4);
+  int8_t* out = runs + (r / kInterleave) * kInterleave * k + (r % kInterleave) * 4;
+  for (int64_t i = 0; i < k; i += 4) std::memcpy(out + i * kInterleave, codes + r * k + i, 4);
 }
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool supers) {
   QuantizedRows q(m, k, groups, supers);
   const bool runs = m >= kDecodedMinRows;
-  const int64_t padded = (m + kDecodedRun - 1) / kDecodedRun * kDecodedRun * k;
+  const int64_t padded = (m + kInterleave - 1) / kInterleave * kInterleave * k;
   if (runs && groups) q.runs.reset(new int8_t[padded]());
   if (runs && supers) q.runs256.reset(new int8_t[padded]());
   if (supers) q.pair_sums.reset(new int32_t[m * (k / kSuper) * QuantizedRows::kPairSums]);
@@ -418,9 +421,9 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
 // decoding a group's codes for every run of 2 rows, with 16 outputs' sums live at once, left
 // the kernel spilling registers. So a tile's codes are decoded once per chunk of
 // `kChunkGroups` groups into 8-bit code vectors (16 KB, held in the L1), and runs of up to
-// `kDecodedRun` rows take them half by half (8 outputs): per pair of code vectors, two
-// loads, and per row two broadcasts (from `QuantizedRows::runs`, the run's rows interleaved,
-// so one pointer reaches all four), two VPMADDUBSW and two adds.
+// `decoded_run` rows take them half by half (8 outputs): per pair of code vectors, two
+// loads, and per row two broadcasts (from `QuantizedRows::runs`, the rows interleaved, so
+// one pointer reaches a run's rows), two VPMADDUBSW and two adds.
 // The integer sums are the same exact integers, widened on the same schedule, and each
 // row's float operations are `affine_epilogue`'s or `super_epilogue`'s in the same order,
 // so the bits are those of the runs above.
@@ -455,9 +458,9 @@ __attribute__((always_inline)) inline void add_decoded(const uint8_t* d, const i
   const __m256i lo = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + J * 64));
   const __m256i hi = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + J * 64 + 32));
   for (int64_t r = 0; r < Rows; ++r) {
-    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(x + 32 * J + 4 * r)));
-    s16[r] = _mm256_add_epi16(s16[r],
-                              _mm256_maddubs_epi16(hi, broadcast4(x + 32 * J + 16 + 4 * r)));
+    const int8_t* at = x + 8 * kInterleave * J + 4 * r;
+    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(lo, broadcast4(at)));
+    s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(hi, broadcast4(at + 4 * kInterleave)));
     // A running sum, its row's loads not moved ahead: left free, GCC loads every row's
     // inputs first and adds the products in a tree, which needs more registers than AVX2
     // has, and spills.
@@ -507,6 +510,13 @@ __attribute__((always_inline)) inline void decoded_group_sums(const Tile& tile, 
   widen_half<Rows>(second, s16, isum);
 }
 
+// Row r0's inputs of group g in the interleaved rows `runs` (a run's rows follow it, 4 bytes
+// apart, in the same block of kInterleave rows).
+inline const int8_t* run_inputs(const int8_t* runs, int64_t k, int64_t r0, int64_t g) {
+  return runs + (r0 / kInterleave) * kInterleave * k + g * kGroup * kInterleave +
+         (r0 % kInterleave) * 4;
+}
+
 // Rows r0..r0+Rows-1 against groups g0..g1 of a tile (`decoded`: their codes, decoded), into
 // acc (rows of kTile floats).
 template <int64_t Rows, int64_t Bits, int64_t Scheme>
@@ -518,7 +528,7 @@ void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, in
       for (int64_t g = g0; g < g1; ++g) {
         __m256i isum[Rows];
         for (int64_t r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
-        const int8_t* x = q.runs.get() + r0 * k + g * kGroup * kDecodedRun;
+        const int8_t* x = run_inputs(q.runs.get(), k, r0, g);
         decoded_group_sums<Rows, Bits, Scheme>(
             tile, g, h, decoded + (g - g0) * kDecodedGroup + h * 256, x, isum);
         for (int64_t r = 0; r < Rows; ++r) {
@@ -534,7 +544,7 @@ void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, in
         __m256i isum[Rows];
         for (int64_t r = 0; r < Rows; ++r) isum[r] = _mm256_setzero_si256();
         for (int64_t g = b * (kSuper / kGroup); g < (b + 1) * (kSuper / kGroup); ++g) {
-          const int8_t* x = q.runs256.get() + r0 * k + g * kGroup * kDecodedRun;
+          const int8_t* x = run_inputs(q.runs256.get(), k, r0, g);
           decoded_group_sums<Rows, Bits, Scheme>(
               tile, g, h, decoded + (g - g0) * kDecodedGroup + h * 256, x, isum);
         }
@@ -547,7 +557,15 @@ void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, in
   }
 }
 
-// Rows r_begin..r_end-1 (at least kDecodedMinRows) against tile t, chunk by chunk of groups.
+// Rows per run over a decoded tile: 6 for 4-bit codes (each row holds two int16 and two
+// int32 sums live, 12 of AVX2's 16 registers), 4 for codes that widen more often and need
+// their factors live too.
+constexpr int64_t decoded_run(int64_t bits) { return bits == 4 ? 6 : 4; }
+static_assert(kInterleave % decoded_run(4) == 0 && kInterleave % decoded_run(5) == 0,
+              "runs stay within one block of interleaved rows");
+
+// Rows r_begin..r_end-1 (at least kDecodedMinRows) against tile t, chunk by chunk of groups
+// (r_begin a multiple of kInterleave).
 template <int64_t Bits, int64_t Scheme>
 void decoded_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin,
                   int64_t r_end, const Output& out, int64_t valid) {
@@ -564,21 +582,24 @@ void decoded_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r
       prefetch_group(c, w.group_bytes());
       decode_group<Bits>(c, decoded + (g - g0) * kDecodedGroup);
     }
-    for (int64_t r0 = r_begin; r0 < r_end; r0 += kDecodedRun) {
+    for (int64_t r0 = r_begin; r0 < r_end;) {
       float* a = acc.data() + (r0 - r_begin) * kTile;
-      switch (std::min(kDecodedRun, r_end - r0)) {
+      const int64_t rows = std::min(decoded_run(Bits), r_end - r0);
+      switch (rows) {
+        case 6: decoded_rows<6, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
+        case 5: decoded_rows<5, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 4: decoded_rows<4, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 3: decoded_rows<3, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 2: decoded_rows<2, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         default: decoded_rows<1, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a);
       }
+      r0 += rows;
     }
   }
   for (int64_t r = r_begin; r < r_end; ++r) {
     store_lanes(acc.data() + (r - r_begin) * kTile, t, r, out, valid);
   }
 }
-static_assert(kDecodedRun == 4, "decoded_tile instantiates runs of 1 to 4 rows");
 
 // Rows r0..r0+rows-1 (at most kRowRun) against tile t, into the tile's columns of `out`.
 template <int64_t Bits, int64_t Scheme>
