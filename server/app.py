@@ -22,8 +22,18 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from engine.async_llm import AsyncLLM
-from server import capabilities, chat, completions, info, lora, responses, sleep, tokenization
+from engine.engines import start_engine
+from server import (
+    capabilities,
+    chat,
+    completions,
+    embeddings,
+    info,
+    lora,
+    responses,
+    sleep,
+    tokenization,
+)
 from server import models as models_routes
 from server.anthropic import messages
 from server.config import ServeConfig
@@ -37,7 +47,7 @@ logger = logging.getLogger(__name__)
 def build_app(
     config: ServeConfig,
     *,
-    llm_factory: LLMFactory = AsyncLLM.from_config,
+    llm_factory: LLMFactory = start_engine,
     on_load_error: Callable[[BaseException], None] | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> FastAPI:
@@ -77,6 +87,7 @@ def build_app(
     app.include_router(chat.router)
     app.include_router(messages.router)
     app.include_router(tokenization.router)
+    app.include_router(embeddings.router)
     app.include_router(responses.router)
     app.include_router(sleep.router)
     app.include_router(lora.router)

@@ -89,7 +89,8 @@ class Handling:
         state = server_state(request)
         deadline = request_deadline(state.config, request)
         served, adapter = await state.models.lease(request, model, keep_alive, deadline)
-        return cls(request, state, served, served.ready_llm(), deadline, adapter)
+        llm = served.generator(request.url.path)
+        return cls(request, state, served, llm, deadline, adapter)
 
     @property
     def model_name(self) -> str:

@@ -38,15 +38,16 @@ import psutil
 from fastapi import Request
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from engine.async_llm import AsyncLLM
 from engine.errors import SETTINGS_ERRORS, AdapterError, ModelLoadError
 from engine.model.loader import resolve_model_source, weights_bytes
+from engine.pooling.async_pooler import AsyncPooler
 from engine.sleep import trim_heap
 from server.admission import Deadline
 from server.errors import OpenAIError, deadline_exceeded
 from server.reasoning import ReasoningSyntax
 
 if TYPE_CHECKING:
-    from engine.async_llm import AsyncLLM
     from engine.config import EngineConfig
     from engine.request.intake import SpecialTokens
     from server.config import ServeConfig
@@ -61,7 +62,7 @@ ModelToolRoom = Callable[["str | None", "SpecialTokens"], "ToolCalling | None"]
 
 logger = logging.getLogger(__name__)
 
-LLMFactory = Callable[["EngineConfig"], "AsyncLLM"]
+LLMFactory = Callable[["EngineConfig"], "AsyncLLM | AsyncPooler"]
 # The ASGI scope key under which a request's held models' release calls wait.
 LEASES = "pagedserve.model_leases"
 GiB = 1024**3
@@ -86,7 +87,8 @@ class ServedModel:
     config: EngineConfig
     keep_alive: float
     tool_room: ModelToolRoom = field(repr=False)
-    llm: AsyncLLM | None = None
+    # Its engine once loaded: a pooling model's serves the pooling endpoints only.
+    llm: AsyncLLM | AsyncPooler | None = None
     load_error: BaseException | None = None
     users: int = 0
     last_used: float = field(default_factory=time.monotonic)
@@ -108,7 +110,7 @@ class ServedModel:
             return ModelState.UNLOADED if self.load_error is None else ModelState.FAILED
         return ModelState.SLEEPING if self.llm.sleep_level > 0 else ModelState.LOADED
 
-    def ready_llm(self) -> AsyncLLM:
+    def ready_llm(self) -> AsyncLLM | AsyncPooler:
         """The engine, or a 503 while it loads, after it failed to load, or once it died."""
         if self.llm is None:
             reason = "is still loading" if self.load_error is None else "failed to load"
@@ -117,10 +119,24 @@ class ServedModel:
             raise OpenAIError(503, "the engine has stopped", type="service_unavailable")
         return self.llm
 
+    def generator(self, use: str) -> AsyncLLM:
+        """The engine of a model that generates; a 400 naming `use` (an endpoint, a
+        feature) for a pooling model."""
+        llm = self.ready_llm()
+        if isinstance(llm, AsyncPooler):
+            serves = "/score and /rerank"
+            if llm.spec.task == "embed":
+                serves = "/v1/embeddings, /score and /rerank"
+            raise OpenAIError(
+                400, f"the model '{self.name}' is a pooling model: it serves {serves}, not {use}",
+                param="model",
+            )  # fmt: skip
+        return llm
+
     def tool_calling(self) -> ToolCalling | None:
         """How the model writes tool calls (the `tool_call_parser` setting), from the tools
         room, asked the first time a request needs it; None without it."""
-        llm = self.ready_llm()
+        llm = self.generator("tools")
         if self._tool_calling is None:
             calling = self.tool_room(llm.chat_template, llm.special_tokens)
             self._tool_calling = (calling,)
@@ -128,7 +144,7 @@ class ServedModel:
 
     def reasoning_syntax(self, parser: str) -> ReasoningSyntax | None:
         """How the model reasons under the `reasoning_parser` setting; None: it does not."""
-        llm = self.ready_llm()
+        llm = self.generator("reasoning")
         return ReasoningSyntax.of(parser, llm.chat_template, llm.special_tokens.text)
 
     def hold(self) -> None:
@@ -179,7 +195,7 @@ class ModelPool:
     def loaded(self) -> list[ServedModel]:
         return [model for model in self.models.values() if model.llm is not None]
 
-    def engines(self) -> list[tuple[str, AsyncLLM]]:
+    def engines(self) -> list[tuple[str, AsyncLLM | AsyncPooler]]:
         """Each loaded model's name and engine."""
         return [(model.name, model.llm) for model in self.models.values() if model.llm is not None]
 
@@ -277,7 +293,7 @@ class ModelPool:
         await self.load(model)
         model.hold()
         try:
-            await model.ready_llm().load_lora(name, path)
+            await model.generator("LoRA adapters").load_lora(name, path)
             model.adapters[name] = path
         finally:
             self.release(model)
@@ -285,7 +301,7 @@ class ModelPool:
     async def remove_adapter(self, model: ServedModel, name: str) -> None:
         """Stop serving `model`'s adapter `name` (its requests in flight finish with it)."""
         model.adapters.pop(name, None)
-        if model.llm is not None:
+        if isinstance(model.llm, AsyncLLM):
             with contextlib.suppress(AdapterError):  # an engine that never had it
                 await model.llm.unload_lora(name)
 
@@ -449,7 +465,7 @@ class ModelPool:
         logger.info("model '%s' unloaded in %.2f s", model.name, seconds)
         return seconds
 
-    async def _watch(self, model: ServedModel, llm: AsyncLLM) -> None:
+    async def _watch(self, model: ServedModel, llm: AsyncLLM | AsyncPooler) -> None:
         """Wait for the engine's loop to end; if it died, say so. A single model's server
         hears of it (`on_engine_death`); of several, the model unloads, to load again."""
         failure = await llm.wait_ended()
@@ -486,7 +502,15 @@ def _load_error(model: ServedModel, exc: Exception) -> OpenAIError:
     )
 
 
-def _log_loaded(model: ServedModel, llm: AsyncLLM) -> None:
+def _log_loaded(model: ServedModel, llm: AsyncLLM | AsyncPooler) -> None:
+    if isinstance(llm, AsyncPooler):  # no KV cache
+        logger.info(
+            "model %s served as '%s': a pooling model (%s) in %s on the CPU, max_model_len %d; "
+            "loaded in %.2f s",
+            llm.model_name, model.name, llm.spec.task, str(llm.dtype).removeprefix("torch."),
+            llm.max_model_len, model.load_seconds,
+        )  # fmt: skip
+        return
     num_blocks = llm.num_kv_blocks
     logger.info(
         "model %s served as '%s': %s on %s, max_model_len %d, %d KV blocks of %d tokens "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Depends, Request
 
+from engine.pooling.async_pooler import AsyncPooler
 from server.auth import require_api_key
 from server.model_pool import ServedModel
 from server.protocol import ModelAction, ModelCard, ModelList
@@ -42,7 +43,9 @@ def _card(
         state=model.state,
         parent=parent,
         max_model_len=None if llm is None else llm.max_model_len,
-        default_sampling_params=None if llm is None else llm.default_sampling,
+        default_sampling_params=None
+        if llm is None or isinstance(llm, AsyncPooler)
+        else llm.default_sampling,
     )
 
 

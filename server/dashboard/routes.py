@@ -107,7 +107,7 @@ async def dashboard_state(request: Request) -> DashboardState:
     state = server_state(request)
     history: StatsHistory = request.app.state.dashboard_history
     model = state.models.first
-    llm = model.ready_llm()
+    llm = model.generator("the dashboard")
     try:
         snapshot = await llm.snapshot()
     except EngineError as exc:

@@ -1,0 +1,14 @@
+"""The engine a model setting gets: a pooling model's `AsyncPooler` (an encoder to embed
+or score with, engine/pooling/spec.py says which folders hold one), else an `AsyncLLM`."""
+
+from __future__ import annotations
+
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
+from engine.pooling.async_pooler import AsyncPooler, pooling_model
+
+
+def start_engine(config: EngineConfig) -> AsyncLLM | AsyncPooler:
+    """Load the configured model and start serving it (blocking: call it off the loop)."""
+    spec = pooling_model(config)
+    return AsyncLLM.from_config(config) if spec is None else AsyncPooler(config, spec)

@@ -1,0 +1,252 @@
+"""The engine of a pooling model: texts from many requests batched on one thread.
+
+Each text is a job; the engine thread takes every waiting job up to the token budget
+(`max_num_batched_tokens`, at least one window), runs them in one packed forward and
+answers each. A text's result does not depend on its batch (`encoder.py`).
+
+Invariants: every job put before the loop ends gets its answer or an exception (after,
+`embed` raises at once); the loop outlives a failing batch (its jobs get the error); every
+torch operation, the load included, runs on the engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from engine.config import ConfigError, EngineConfig
+from engine.errors import EngineError, ModelLoadError
+from engine.model.loader import resolve_model_source
+from engine.pooling.encoder import Encoder, Text
+from engine.pooling.spec import PoolingSpec, pooling_spec
+from engine.snapshot import EngineStats
+
+logger = logging.getLogger(__name__)
+_STOP = None
+
+
+@dataclass(eq=False)
+class _Job:
+    text: Text
+    result: Future[torch.Tensor] = field(default_factory=Future)
+
+
+def pooling_model(config: EngineConfig) -> PoolingSpec | None:
+    """The pooling spec of the configured model, or None for a model to generate with."""
+    source, _ = resolve_model_source(config.model)
+    folder = Path(source)
+    return pooling_spec(folder) if folder.is_dir() else None
+
+
+class InputTooLong(ValueError):
+    """An input longer than the model's window, with no truncation asked for."""
+
+
+class AsyncPooler:
+    """Serves `embed` and `classify` calls of many requests from one `Encoder`."""
+
+    sleep_level = 0
+    sleep_unsupported = (
+        "a pooling model does not sleep (it holds no KV cache): unload it instead "
+        "(POST /models/unload)"
+    )
+
+    def __init__(self, config: EngineConfig, spec: PoolingSpec) -> None:
+        """Load the model on the engine thread and return once it serves; raises what
+        loading raised."""
+        if config.device == "cuda" or config.dtype == "float16" or config.quantization in (
+            "gguf", "int8", "int4",
+        ):  # fmt: skip
+            raise ConfigError(
+                "a pooling model runs on the CPU in fp32 or bf16, unquantized: device, dtype "
+                "and quantization must be auto (or cpu, float32 or bfloat16, none)"
+            )
+        self.spec = spec
+        source, self.model_name = resolve_model_source(config.model)
+        self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.device = torch.device("cpu")
+        self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._ended: Future[BaseException | None] = Future()
+        self._failure: BaseException | None = None
+        self._open, self._open_lock = True, threading.Lock()  # whether jobs may be put
+        self._counts = {"running": 0, "prompt_tokens": 0}
+        loaded: queue.SimpleQueue[Encoder | BaseException] = queue.SimpleQueue()
+        self._thread = threading.Thread(
+            target=self._run, args=(Path(source), loaded), name="pagedserve-pooler", daemon=True
+        )
+        self._thread.start()
+        encoder = loaded.get()
+        if isinstance(encoder, BaseException):
+            self._thread.join()
+            raise encoder
+        window = encoder.max_length
+        try:
+            if config.max_model_len is not None and config.max_model_len > window:
+                raise ConfigError(
+                    f"max_model_len {config.max_model_len} exceeds the model's window of {window}"
+                )
+            self.tokenizer = AutoTokenizer.from_pretrained(source)
+        except BaseException:
+            self._jobs.put(_STOP)
+            self._thread.join()
+            raise
+        self.max_model_len = config.max_model_len or window
+        self._budget = max(config.max_num_batched_tokens, self.max_model_len)
+        self.hidden_size = encoder.hidden_size
+        self.vocab_size = encoder.config.vocab_size
+        self.num_labels = getattr(encoder.config, "num_labels", 0) if spec.task == "classify" else 0
+
+    @property
+    def is_healthy(self) -> bool:
+        return self._thread.is_alive() and self._failure is None
+
+    async def wait_ended(self) -> BaseException | None:
+        """Wait for the engine loop to end: what killed it, or None once shut down."""
+        return await asyncio.shield(asyncio.wrap_future(self._ended))
+
+    async def run(self, texts: list[Text]) -> list[torch.Tensor]:
+        """Each text's embedding (`embed` models) or logits (`classify` models)."""
+        jobs = [_Job(text) for text in texts]
+        with self._open_lock:
+            if not self._open:
+                raise EngineError("the engine has shut down")
+            for job in jobs:
+                self._jobs.put(job)
+        return list(await asyncio.gather(*(asyncio.wrap_future(job.result) for job in jobs)))
+
+    def encode(
+        self, inputs: list[str] | list[list[int]] | list[tuple[str, str]], truncate: int | None
+    ) -> list[Text]:
+        """The texts (or text pairs, or token ids as given) as the model's inputs, within its
+        window: cut to `truncate` tokens (-1: the window; text keeps its special tokens, ids
+        their first ones), else an input past the window raises InputTooLong. Blocking."""
+        window = self.max_model_len
+        if truncate is not None and truncate > window:
+            raise InputTooLong(
+                f"truncate_prompt_tokens {truncate} exceeds the model's window of {window} tokens"
+            )
+        limit = window if truncate in (None, -1) else truncate
+        texts = []
+        for index, item in enumerate(inputs):
+            if isinstance(item, list):
+                if not all(0 <= token < self.vocab_size for token in item):
+                    raise ValueError(
+                        f"input {index} holds a token id outside 0..{self.vocab_size - 1}"
+                    )
+                text = Text(item[:limit] if truncate is not None else item)
+            else:
+                pair = (item,) if isinstance(item, str) else item
+                encoded = self.tokenizer(
+                    *pair, truncation="longest_first" if truncate is not None else False,
+                    max_length=limit if truncate is not None else None,
+                )  # fmt: skip
+                types = encoded.get("token_type_ids") if len(pair) == 2 else None
+                text = Text(encoded["input_ids"], types)
+            if len(text.token_ids) > window:
+                raise InputTooLong(
+                    f"input {index} is {len(text.token_ids)} tokens, more than the model's "
+                    f"window of {window}; set truncate_prompt_tokens to cut it"
+                )
+            texts.append(text)
+        return texts
+
+    def stats(self) -> EngineStats:
+        waiting = self._jobs.qsize()
+        return EngineStats(
+            num_running=self._counts["running"], num_waiting=waiting, num_kv_blocks=0,
+            used_kv_blocks=0, cached_free_kv_blocks=0, kv_usage=0.0, prefix_cache_queries=0,
+            prefix_cache_hits=0, prefix_cache_evictions=0,
+            prompt_tokens_total=self._counts["prompt_tokens"], generation_tokens_total=0,
+            num_preemptions=0,
+        )  # fmt: skip
+
+    def sequences_by_priority(self) -> dict[str, dict[int, int]]:
+        """Texts "running" and "waiting", all of priority 0 (pooling has no priorities)."""
+        stats = self.stats()
+        counts = {"running": stats.num_running, "waiting": stats.num_waiting}
+        return {status: {0: count} if count else {} for status, count in counts.items()}
+
+    async def wake_up(self) -> None:
+        """Nothing to wake: a pooling model never sleeps."""
+
+    async def shutdown(self) -> None:
+        self._jobs.put(_STOP)
+        await asyncio.to_thread(self._thread.join)
+
+    def _run(self, folder: Path, loaded: queue.SimpleQueue) -> None:
+        try:
+            encoder = Encoder(folder, self.spec, self.dtype)
+        except BaseException as exc:
+            loaded.put(
+                exc
+                if isinstance(exc, (ModelLoadError, ConfigError))
+                else ModelLoadError(f"{folder}: {exc}")
+            )
+            return
+        loaded.put(encoder)
+        forward = encoder.classify if self.spec.task == "classify" else encoder.embed
+        pending: deque[_Job] = deque()
+        try:
+            while (batch := self._next_batch(pending)) is not None:
+                self._counts["running"] = len(batch)
+                started = time.monotonic()
+                try:
+                    results = forward([job.text for job in batch])
+                except Exception as exc:  # a bad batch fails its jobs, not the engine
+                    logger.exception("a pooling batch of %d texts failed", len(batch))
+                    for job in batch:
+                        job.result.set_exception(exc)
+                else:
+                    for job, result in zip(batch, results, strict=True):
+                        job.result.set_result(result)
+                self._counts["running"] = 0
+                self._counts["prompt_tokens"] += sum(len(job.text.token_ids) for job in batch)
+                logger.debug(
+                    "pooled %d texts in %.1f ms", len(batch), 1e3 * (time.monotonic() - started)
+                )
+        except BaseException as exc:
+            logger.exception("the pooling loop died")
+            self._failure = exc
+        finally:
+            failure = self._failure or EngineError("the engine has shut down")
+            with self._open_lock:
+                self._open = False
+            for left in [*pending, *_drain(self._jobs)]:
+                if left is not None and not left.result.done():
+                    left.result.set_exception(failure)
+            self._ended.set_result(self._failure)
+
+    def _next_batch(self, pending: deque[_Job]) -> list[_Job] | None:
+        """The waiting jobs up to the token budget, in arrival order (blocks while none
+        waits); None once stopped."""
+        waiting = _drain(self._jobs) if pending else [self._jobs.get(), *_drain(self._jobs)]
+        jobs = [job for job in waiting if job is not _STOP]
+        pending.extend(jobs)
+        if len(jobs) < len(waiting):  # stopped: the jobs left are failed as the loop ends
+            return None
+        batch: list[_Job] = []
+        tokens = 0
+        while pending and (not batch or tokens + len(pending[0].text.token_ids) <= self._budget):
+            job = pending.popleft()
+            tokens += len(job.text.token_ids)
+            batch.append(job)
+        return batch
+
+
+def _drain(jobs: queue.SimpleQueue[_Job | None]) -> list[_Job | None]:
+    out = []
+    while True:
+        try:
+            out.append(jobs.get_nowait())
+        except queue.Empty:
+            return out

