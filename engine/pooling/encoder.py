@@ -1,5 +1,7 @@
-"""An encoder of the BERT family run on packed rows: the texts of a batch side by side,
-no padding, each text's attention over its own tokens only.
+"""A pooling model's forward. An encoder of the BERT family runs on packed rows: the
+texts of a batch side by side, no padding, each text's attention over its own tokens only.
+A decoder (an embedder in Qwen3-Embedding's layout) runs each text alone through its own
+forward, causal as it was trained.
 
 Invariant: a text's output has the same bits alone or in any batch. Every linear is
 packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
@@ -53,9 +55,8 @@ class Encoder:
         capabilities.pack(self.model, torch.device("cpu"), dtype)
         positions = self.config.max_position_embeddings
         # RoBERTa's positions start after its padding index.
-        self.position_offset = (
-            self.config.pad_token_id + 1 if self.config.model_type != "bert" else 0
-        )
+        roberta = self.config.model_type in ("roberta", "xlm-roberta")
+        self.position_offset = self.config.pad_token_id + 1 if roberta else 0
         window = positions - self.position_offset
         self.max_length = min(spec.max_length or window, window)
         self.hidden_size = self.config.hidden_size
@@ -63,6 +64,11 @@ class Encoder:
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
         """Each text's last hidden states `[len, hidden]`."""
+        if self.spec.causal:  # a decoder: each text alone, through the model's own forward
+            return [
+                self.base(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0]
+                for text in texts
+            ]
         lengths = [len(text.token_ids) for text in texts]
         ids = torch.tensor([t for text in texts for t in text.token_ids])
         types = torch.tensor(

@@ -3,6 +3,7 @@
 A sentence-transformers folder (`modules.json`) names its modules: the transformer (this
 folder), a `Pooling` module (`1_Pooling/config.json`: CLS, mean or last-token pooling) and
 an optional `Normalize`; `sentence_bert_config.json` gives its window (`max_seq_length`).
+A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers folder.
 A plain transformers folder is a pooling model by its architecture: an encoder
 (`BertModel`, `RobertaModel`, `XLMRobertaModel`) embeds with CLS pooling, normalized, as
 vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
@@ -20,6 +21,9 @@ from typing import Literal
 from engine.errors import ModelLoadError
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+# Decoders served as embedders from a sentence-transformers folder (Qwen3-Embedding's
+# layout: last-token pooling, normalized), each text run alone with causal attention.
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
 ST_MODULES = "sentence_transformers.models."
 POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
@@ -39,6 +43,7 @@ class PoolingSpec:
     normalize: bool = True
     max_length: int | None = None
     matryoshka: tuple[int, ...] = ()
+    causal: bool = False  # a decoder
 
 
 def _json(path: Path) -> dict:
@@ -57,15 +62,18 @@ def pooling_spec(folder: Path) -> PoolingSpec | None:
     config = _json(folder / "config.json")
     architectures = config.get("architectures") or []
     classify = any(name.endswith("ForSequenceClassification") for name in architectures)
-    encoder = config.get("model_type") in ENCODER_TYPES
+    model_type = config.get("model_type")
+    encoder = model_type in ENCODER_TYPES
     modules = folder / "modules.json"
     if not encoder:
-        if modules.is_file():
+        if not modules.is_file():
+            return None  # a model to generate with
+        if model_type not in DECODER_TYPES:
             raise ModelLoadError(
-                f"{folder}: a sentence-transformers model of type "
-                f"'{config.get('model_type')}' is not served (encoders: {', '.join(ENCODER_TYPES)})"
+                f"{folder}: a sentence-transformers model of type '{model_type}' is not "
+                f"served (encoders: {', '.join(ENCODER_TYPES)}; decoders: "
+                f"{', '.join(DECODER_TYPES)})"
             )
-        return None
     if not (classify or any(name.endswith("Model") for name in architectures) or modules.is_file()):
         return None  # a masked-LM head: not a pooling model (refused by the generation loader)
     matryoshka = tuple(config.get("matryoshka_dimensions") or ())
@@ -89,7 +97,9 @@ def pooling_spec(folder: Path) -> PoolingSpec | None:
             raise ModelLoadError(
                 f"{modules}: the sentence-transformers module '{kind}' is not served"
             )
-    return PoolingSpec("embed", pooling, normalize, _window(folder), matryoshka)
+    if not encoder and pooling == "cls":
+        raise ModelLoadError(f"{modules}: a decoder pools its last token or its mean, not CLS")
+    return PoolingSpec("embed", pooling, normalize, _window(folder), matryoshka, not encoder)
 
 
 def _pooling_mode(config: dict, path: Path) -> Literal["cls", "mean", "last"]:

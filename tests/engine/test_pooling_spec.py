@@ -75,7 +75,13 @@ def test_what_a_folder_asks_for_and_is_not_served_is_refused_by_name(
         pooling_spec(_folder(tmp_path, BERT, modules, **files))
 
 
-def test_a_sentence_transformers_decoder_is_refused_by_its_type(tmp_path: Path):
-    config = {"model_type": "qwen3", "architectures": ["Qwen3Model"]}
-    with pytest.raises(ModelLoadError, match="'qwen3' is not served"):
-        pooling_spec(_folder(tmp_path, config, _modules("Transformer", "Pooling")))
+def test_a_sentence_transformers_decoder_embeds_by_its_last_token_and_others_are_refused(
+    tmp_path: Path,
+):
+    qwen3 = {"model_type": "qwen3", "architectures": ["Qwen3Model"]}
+    pooling = {"1_Pooling__config.json": {"pooling_mode_lasttoken": True}}
+    folder = _folder(tmp_path, qwen3, _modules("Transformer", "Pooling", "Normalize"), **pooling)
+    assert pooling_spec(folder) == PoolingSpec("embed", "last", True, None, (), causal=True)
+    t5 = {"model_type": "t5", "architectures": ["T5EncoderModel"]}
+    with pytest.raises(ModelLoadError, match="'t5' is not served"):
+        pooling_spec(_folder(tmp_path, t5, _modules("Transformer", "Pooling"), **pooling))

@@ -88,13 +88,38 @@ def cross_encoder(minilm: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 @pytest.fixture(scope="module")
-def server(minilm: Path, cross_encoder: Path, tiny_model_paths: dict[str, Path]) -> Iterator[str]:
-    """One server of three models: the embedder, the cross-encoder and a chat model."""
+def decoder_embedder(
+    tiny_model_paths: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+) -> Path:
+    """The tiny random-weight Qwen3 in Qwen3-Embedding's sentence-transformers layout:
+    last-token pooling, normalized."""
+    folder = tmp_path_factory.mktemp("qwen3-embedding") / "model"
+    shutil.copytree(tiny_model_paths["qwen3"], folder)
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+    (folder / "modules.json").write_text(json.dumps([
+        {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+        for i, (kind, path) in enumerate(modules)
+    ]))  # fmt: skip
+    (folder / "1_Pooling").mkdir()
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    (folder / "1_Pooling" / "config.json").write_text(
+        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True})
+    )
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(
+    minilm: Path, cross_encoder: Path, decoder_embedder: Path, tiny_model_paths: dict[str, Path]
+) -> Iterator[str]:
+    """One server of four models: two embedders, a cross-encoder and a chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
         models=[
             ServedModelConfig(name="minilm", model=str(minilm)),
             ServedModelConfig(name="cross", model=str(cross_encoder)),
+            ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
             ServedModelConfig(name="chat", model=chat.model, dtype="float32",
                               kv_cache_memory="64MiB", max_model_len=512, enforce_eager=True),
         ],
@@ -138,6 +163,17 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
     for i in (0, 17, 63):
         alone = _vectors(_embed(server, texts[i], encoding_format="base64"))[0]
         assert np.array_equal(alone, batched[i]), i
+
+
+def test_a_decoder_embeds_by_its_last_token_as_sentence_transformers(
+    server: str, decoder_embedder: Path
+):
+    texts = _texts(40, seed=2)
+    got = _vectors(_embed(server, texts, model="qwen3-embedding", encoding_format="base64"))
+    want = SentenceTransformer(str(decoder_embedder), device="cpu").encode(texts)
+    assert np.abs(got - want).max() <= 1e-5
+    alone = _vectors(_embed(server, texts[7], model="qwen3-embedding", encoding_format="base64"))
+    assert np.array_equal(alone[0], got[7])
 
 
 def test_the_ranking_of_pairs_by_cosine_is_the_references(

@@ -1,0 +1,49 @@
+"""The packed encoder against transformers' own padded forward, on a random BERT and a
+random RoBERTa (whose positions start after the padding index)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+
+from engine.pooling.encoder import Encoder, Text
+from engine.pooling.spec import pooling_spec
+
+SHAPE = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=128, max_position_embeddings=130,
+)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("model_class", "config"),
+    [
+        (BertModel, BertConfig(**SHAPE, architectures=["BertModel"])),
+        (RobertaModel, RobertaConfig(**SHAPE, pad_token_id=1, architectures=["RobertaModel"])),
+    ],
+    ids=["bert", "roberta"],
+)
+def test_packed_texts_embed_as_the_padded_forward_by_cls(
+    tmp_path: Path, model_class: type, config: BertConfig
+):
+    torch.manual_seed(0)
+    model_class(config).save_pretrained(tmp_path)
+    spec = pooling_spec(tmp_path)
+    assert spec is not None and (spec.pooling, spec.normalize) == ("cls", True)
+    encoder = Encoder(tmp_path, spec, torch.float32)
+    assert encoder.max_length == 130 - encoder.position_offset
+    lengths = [3, 17, 1, 40, encoder.max_length]
+    texts = [torch.randint(2, 300, (n,)).tolist() for n in lengths]
+    got = torch.stack(encoder.embed([Text(ids) for ids in texts]))
+    reference = model_class.from_pretrained(tmp_path).eval()
+    ids = torch.full((len(texts), max(lengths)), config.pad_token_id)
+    mask = torch.zeros_like(ids)
+    for i, row in enumerate(texts):
+        ids[i, : len(row)], mask[i, : len(row)] = torch.tensor(row), 1
+    with torch.no_grad():
+        states = reference(input_ids=ids, attention_mask=mask).last_hidden_state
+    assert torch.allclose(got, F.normalize(states[:, 0], dim=-1), atol=1e-5)
