@@ -5,7 +5,7 @@ Each text is a job; the engine thread takes every waiting job up to the token bu
 answers each. A text's result does not depend on its batch (`encoder.py`).
 
 Invariants: every job put before the loop ends gets its answer or an exception (after,
-`embed` raises at once); the loop outlives a failing batch (its jobs get the error); every
+`run` raises at once); the loop outlives a failing batch (its jobs get the error); every
 torch operation, the load included, runs on the engine thread.
 """
 
@@ -53,7 +53,8 @@ class InputTooLong(ValueError):
 
 
 class AsyncPooler:
-    """Serves `embed` and `classify` calls of many requests from one `Encoder`."""
+    """Serves the `run` calls of many requests from one `Encoder`: each text's embedding,
+    or its logits for a cross-encoder."""
 
     sleep_level = 0
     sleep_unsupported = (
@@ -89,18 +90,20 @@ class AsyncPooler:
         if isinstance(encoder, BaseException):
             self._thread.join()
             raise encoder
-        window = encoder.max_length
         try:
-            if config.max_model_len is not None and config.max_model_len > window:
-                raise ConfigError(
-                    f"max_model_len {config.max_model_len} exceeds the model's window of {window}"
-                )
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except BaseException:
             self._jobs.put(_STOP)
             self._thread.join()
             raise
-        self.max_model_len = config.max_model_len or window
+        window = encoder.max_length
+        if config.max_model_len is not None and config.max_model_len > window:
+            # A server's shared setting (several models) may pass a pooling model's window.
+            logger.warning(
+                "max_model_len %d is beyond %s's window of %d tokens: it takes %d",
+                config.max_model_len, self.model_name, window, window,
+            )  # fmt: skip
+        self.max_model_len = min(config.max_model_len or window, window)
         self._budget = max(config.max_num_batched_tokens, self.max_model_len)
         self.hidden_size = encoder.hidden_size
         self.vocab_size = encoder.config.vocab_size
