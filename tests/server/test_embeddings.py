@@ -325,3 +325,21 @@ def test_langchain_openai_embeddings(server: str, reference: SentenceTransformer
     got = np.array(embedder.embed_documents(texts))
     assert np.abs(got - reference.encode(texts)).max() <= 1e-5
     assert np.abs(np.array(embedder.embed_query(texts[0])) - got[0]).max() == 0
+
+
+def test_haystack_openai_embedders(
+    server: str, reference: SentenceTransformer, monkeypatch: pytest.MonkeyPatch
+):
+    monkeypatch.setenv("HAYSTACK_TELEMETRY_ENABLED", "False")
+    from haystack import Document
+    from haystack.components.embedders import OpenAIDocumentEmbedder, OpenAITextEmbedder
+    from haystack.utils import Secret
+
+    settings = {"api_key": Secret.from_token("unused"), "model": "minilm",
+                "api_base_url": f"{server}/v1"}  # fmt: skip
+    query = OpenAITextEmbedder(**settings).run(text="the river bank")["embedding"]
+    assert np.abs(np.array(query) - reference.encode("the river bank")).max() <= 1e-5
+    documents = [Document(content="music at night"), Document(content="a loan from the bank")]
+    embedded = OpenAIDocumentEmbedder(**settings).run(documents=documents)["documents"]
+    want = reference.encode([d.content for d in documents])
+    assert np.abs(np.array([d.embedding for d in embedded]) - want).max() <= 1e-5
