@@ -206,6 +206,14 @@ class EngineConfig(BaseModel):
         16, gt=0, le=512, description="the largest rank a LoRA adapter may have; default: 16"
     )
 
+    # vLLM's setting: keys laid over the model's config.json. pagedserve reads them for
+    # pooling models only (engine/pooling/spec.py): a decoder reranker is served as vLLM
+    # serves Qwen3-Reranker, `{"architectures": ["Qwen3ForSequenceClassification"],
+    # "classifier_from_token": ["no", "yes"]}`; a generating model refuses them.
+    hf_overrides: dict[str, Any] | None = Field(
+        None, description="a JSON object laid over the model's config.json (pooling models)"
+    )
+
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
     # the field and the setting.
@@ -241,7 +249,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"'auto', 'vllm' or a folder holding {GENERATION_CONFIG_FILE}")
         return str(folder)
 
-    @field_validator("override_generation_config", mode="before")
+    @field_validator("override_generation_config", "hf_overrides", mode="before")
     @classmethod
     def _override_from_json(cls, value: object) -> object:
         # The command line and the environment give a JSON object as text.

@@ -45,7 +45,13 @@ def pooling_model(config: EngineConfig) -> PoolingSpec | None:
     """The pooling spec of the configured model, or None for a model to generate with."""
     source, _ = resolve_model_source(config.model)
     folder = Path(source)
-    return pooling_spec(folder) if folder.is_dir() else None
+    spec = pooling_spec(folder, config.hf_overrides) if folder.is_dir() else None
+    if spec is None and config.hf_overrides:
+        raise ConfigError(
+            "hf_overrides: read for pooling models only (a decoder reranker); "
+            f"{config.model} is a model to generate with"
+        )
+    return spec
 
 
 class InputTooLong(ValueError):
@@ -107,7 +113,9 @@ class AsyncPooler:
         self._budget = max(config.max_num_batched_tokens, self.max_model_len)
         self.hidden_size = encoder.hidden_size
         self.vocab_size = encoder.config.vocab_size
-        self.num_labels = getattr(encoder.config, "num_labels", 0) if spec.task == "classify" else 0
+        self.num_labels = 0
+        if spec.task == "classify":
+            self.num_labels = 1 if spec.causal else getattr(encoder.config, "num_labels", 0)
 
     @property
     def is_healthy(self) -> bool:

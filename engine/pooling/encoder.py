@@ -17,7 +17,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AutoModel, AutoModelForSequenceClassification
+from transformers import (
+    AutoModel,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+)
 
 from engine import capabilities
 from engine.errors import ModelLoadError
@@ -37,6 +42,8 @@ class Encoder:
 
     def __init__(self, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> None:
         auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
+        if spec.classifier_tokens is not None:
+            auto = AutoModelForCausalLM  # a decoder reranker scores with its LM head's rows
         try:
             model = auto.from_pretrained(folder, dtype=dtype, output_loading_info=True)
         except (OSError, ValueError) as exc:
@@ -52,6 +59,7 @@ class Encoder:
         self.dtype = dtype
         self.config = model.config
         self.base = model.base_model
+        self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
         capabilities.pack(self.model, torch.device("cpu"), dtype)
         positions = self.config.max_position_embeddings
         # RoBERTa's positions start after its padding index.
@@ -96,10 +104,29 @@ class Encoder:
             pooled.append(F.normalize(vector, dim=0) if self.spec.normalize else vector)
         return pooled
 
+    def _reranker(self, folder: Path) -> torch.Tensor:
+        """A decoder reranker's one-label classifier: the LM head's row of its second token
+        less that of its first, so that sigmoid(h . w) is their softmax's second share."""
+        assert self.spec.classifier_tokens is not None
+        vocabulary = AutoTokenizer.from_pretrained(folder).get_vocab()
+        missing = [t for t in self.spec.classifier_tokens if t not in vocabulary]
+        if missing:
+            raise ModelLoadError(
+                f"hf_overrides: classifier_from_token {missing[0]!r} is not one token"
+            )
+        first, second = (vocabulary[t] for t in self.spec.classifier_tokens)
+        head = self.model.get_output_embeddings().weight.detach()
+        return (head[second] - head[first]).float()
+
     @torch.inference_mode()
     def classify(self, texts: list[Text]) -> list[torch.Tensor]:
         """Each text's classifier logits `[num_labels]` (fp32), from its first token's
-        state as the model's own head takes it."""
+        state as the model's own head takes it (a decoder reranker: its last token's, one
+        logit)."""
+        if self.reranker is not None:
+            return [
+                (states[-1].float() @ self.reranker)[None] for states in self.hidden_states(texts)
+            ]
         firsts = torch.stack([states[:1] for states in self.hidden_states(texts)])
         return list(self.model.classifier(_head_input(self.model, firsts)).float())
 

@@ -3,7 +3,9 @@
 A sentence-transformers folder (`modules.json`) names its modules: the transformer (this
 folder), a `Pooling` module (`1_Pooling/config.json`: CLS, mean or last-token pooling) and
 an optional `Normalize`; `sentence_bert_config.json` gives its window (`max_seq_length`).
-A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers folder.
+A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers folder, and a
+reranker where `hf_overrides` make it a `*ForSequenceClassification` with
+`classifier_from_token` (vLLM's way to serve Qwen3-Reranker).
 A plain transformers folder is a pooling model by its architecture: an encoder
 (`BertModel`, `RobertaModel`, `XLMRobertaModel`) embeds with CLS pooling, normalized, as
 vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
@@ -44,6 +46,9 @@ class PoolingSpec:
     max_length: int | None = None
     matryoshka: tuple[int, ...] = ()
     causal: bool = False  # a decoder
+    # A decoder reranker's two tokens (vLLM's `classifier_from_token`): its score is the
+    # LM head's softmax over (first, second) at the last token, given to the second.
+    classifier_tokens: tuple[str, str] | None = None
 
 
 def _json(path: Path) -> dict:
@@ -53,18 +58,20 @@ def _json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: cannot be read as JSON ({exc})") from None
 
 
-def pooling_spec(folder: Path) -> PoolingSpec | None:
-    """The folder's pooling spec, or None where it holds no pooling model (a decoder to
-    generate with). Raises ModelLoadError naming what the folder asks for that is not
-    served."""
+def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | None:
+    """The folder's pooling spec, its config.json under `overrides` (`hf_overrides`), or
+    None where it holds no pooling model (a decoder to generate with). Raises
+    ModelLoadError naming what the folder asks for that is not served."""
     if not (folder / "config.json").is_file():
         return None
-    config = _json(folder / "config.json")
+    config = _json(folder / "config.json") | (overrides or {})
     architectures = config.get("architectures") or []
     classify = any(name.endswith("ForSequenceClassification") for name in architectures)
     model_type = config.get("model_type")
     encoder = model_type in ENCODER_TYPES
     modules = folder / "modules.json"
+    if not encoder and classify and "classifier_from_token" in config:
+        return _decoder_reranker(config, folder)
     if not encoder:
         if not modules.is_file():
             return None  # a model to generate with
@@ -100,6 +107,23 @@ def pooling_spec(folder: Path) -> PoolingSpec | None:
     if not encoder and pooling == "cls":
         raise ModelLoadError(f"{modules}: a decoder pools its last token or its mean, not CLS")
     return PoolingSpec("embed", pooling, normalize, _window(folder), matryoshka, not encoder)
+
+
+def _decoder_reranker(config: dict, folder: Path) -> PoolingSpec:
+    tokens = config["classifier_from_token"]
+    if config.get("model_type") not in DECODER_TYPES:
+        raise ModelLoadError(
+            f"{folder}: a reranker of type '{config.get('model_type')}' is not served"
+        )
+    if not (
+        isinstance(tokens, list) and len(tokens) == 2 and all(isinstance(t, str) for t in tokens)
+    ):
+        raise ModelLoadError(
+            'hf_overrides: classifier_from_token must name two tokens, as ["no", "yes"]'
+        )
+    return PoolingSpec(
+        "classify", max_length=_window(folder), causal=True, classifier_tokens=tuple(tokens)
+    )
 
 
 def _pooling_mode(config: dict, path: Path) -> Literal["cls", "mean", "last"]:

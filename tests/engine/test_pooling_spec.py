@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from engine.config import ConfigError, EngineConfig
 from engine.errors import ModelLoadError
+from engine.pooling.async_pooler import pooling_model
 from engine.pooling.spec import PoolingSpec, pooling_spec
 
 
@@ -85,3 +87,22 @@ def test_a_sentence_transformers_decoder_embeds_by_its_last_token_and_others_are
     t5 = {"model_type": "t5", "architectures": ["T5EncoderModel"]}
     with pytest.raises(ModelLoadError, match="'t5' is not served"):
         pooling_spec(_folder(tmp_path, t5, _modules("Transformer", "Pooling"), **pooling))
+
+
+def test_a_decoder_with_hf_overrides_is_a_reranker_and_bad_tokens_are_refused(tmp_path: Path):
+    qwen3 = _folder(tmp_path, {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]})
+    assert pooling_spec(qwen3) is None  # a model to generate with
+    overrides = {"architectures": ["Qwen3ForSequenceClassification"]}
+    spec = pooling_spec(qwen3, overrides | {"classifier_from_token": ["no", "yes"]})
+    assert spec == PoolingSpec("classify", causal=True, classifier_tokens=("no", "yes"))
+    with pytest.raises(ModelLoadError, match="two tokens"):
+        pooling_spec(qwen3, overrides | {"classifier_from_token": ["yes"]})
+
+
+def test_a_generating_model_refuses_hf_overrides_by_name(tiny_model_paths: dict[str, Path]):
+    config = EngineConfig(
+        model=str(tiny_model_paths["llama"]), hf_overrides='{"max_position_embeddings": 64}'
+    )
+    assert config.hf_overrides == {"max_position_embeddings": 64}  # JSON text, as flags give it
+    with pytest.raises(ConfigError, match="hf_overrides: read for pooling models only"):
+        pooling_model(config)

@@ -18,7 +18,12 @@ import torch
 from langchain_openai import OpenAIEmbeddings
 from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
-from transformers import AutoTokenizer, BertConfig, BertForSequenceClassification
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BertConfig,
+    BertForSequenceClassification,
+)
 
 from server.config import ServeConfig, ServedModelConfig
 from tests.server.conftest import client, live_server, tiny_config
@@ -120,12 +125,22 @@ def server(
             ServedModelConfig(name="minilm", model=str(minilm)),
             ServedModelConfig(name="cross", model=str(cross_encoder)),
             ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
+            ServedModelConfig(
+                name="qwen3-reranker", model=str(tiny_model_paths["qwen3"]), hf_overrides=RERANKER
+            ),
             ServedModelConfig(name="chat", model=chat.model, dtype="float32",
                               kv_cache_memory="64MiB", max_model_len=512, enforce_eager=True),
         ],
     )  # fmt: skip
     with live_server(config) as url:
         yield url
+
+
+# vLLM's way to serve Qwen3-Reranker (there "no" and "yes"; tokens of the tiny vocabulary here)
+RERANKER = {
+    "architectures": ["Qwen3ForSequenceClassification"],
+    "classifier_from_token": ["a", "b"],
+}
 
 
 def _embed(url: str, inputs: object, **fields: object) -> httpx.Response:
@@ -230,6 +245,31 @@ def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
     assert order == sorted(range(3), key=lambda i: -want[i])
     refused = _embed(server, "a text", model="cross")
     assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
+
+
+def test_a_decoder_reranker_scores_as_its_lm_heads_two_tokens(
+    server: str, tiny_model_paths: dict[str, Path]
+):
+    query, documents = "a river bank", ["money in the bank", "the river flows", "a song"]
+    body = {"model": "qwen3-reranker", "query": query, "documents": documents}
+    response = httpx.post(f"{server}/rerank", json=body)
+    assert response.status_code == 200, response.text
+    got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
+    folder = tiny_model_paths["qwen3"]
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    pair = [tokenizer.convert_tokens_to_ids(t) for t in RERANKER["classifier_from_token"]]
+    want = []
+    for document in documents:
+        ids = torch.tensor([tokenizer(query, document)["input_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, -1, pair]
+        want.append(torch.softmax(logits, dim=0)[1].item())
+    assert np.allclose([got[i] for i in range(3)], want, atol=1e-5)
+    chat = httpx.post(
+        f"{server}/v1/completions", json={"model": "qwen3-reranker", "prompt": "a", "max_tokens": 1}
+    )
+    assert chat.status_code == 400
 
 
 def test_base64_token_ids_and_float_agree(server: str, minilm: Path):
