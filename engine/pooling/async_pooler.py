@@ -78,6 +78,8 @@ class AsyncPooler:
                 "a pooling model runs on the CPU in fp32 or bf16, unquantized: device, dtype "
                 "and quantization must be auto (or cpu, float32 or bfloat16, none)"
             )
+        if config.enable_lora or config.lora_modules:
+            raise ConfigError("enable_lora, lora_modules: LoRA adapters apply to generating models")
         self.spec = spec
         source, self.model_name = resolve_model_source(config.model)
         self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
