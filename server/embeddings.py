@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from fastapi import APIRouter, Depends, Request
 
 from engine.pooling.async_pooler import AsyncPooler, InputTooLong
-from engine.pooling.encoder import Text
+from engine.pooling.model import Text
 from server.admission import Deadline, request_deadline
 from server.auth import require_api_key
 from server.errors import deadline_exceeded, invalid_request

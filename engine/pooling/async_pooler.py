@@ -2,7 +2,7 @@
 
 Each text is a job; the engine thread takes every waiting job up to the token budget
 (`max_num_batched_tokens`, at least one window), runs them in one packed forward and
-answers each. A text's result does not depend on its batch (`encoder.py`).
+answers each. A text's result does not depend on its batch (`model.py`).
 
 Invariants: every job put before the loop ends gets its answer or an exception (after,
 `run` raises at once); the loop outlives a failing batch (its jobs get the error); every
@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.model.loader import resolve_model_source
-from engine.pooling.encoder import Encoder, Text
+from engine.pooling.model import PoolingModel, Text
 from engine.pooling.spec import PoolingSpec, pooling_spec
 from engine.snapshot import EngineStats
 
@@ -59,7 +59,7 @@ class InputTooLong(ValueError):
 
 
 class AsyncPooler:
-    """Serves the `run` calls of many requests from one `Encoder`: each text's embedding,
+    """Serves the `run` calls of many requests from one `PoolingModel`: each text's embedding,
     or its logits for a cross-encoder."""
 
     sleep_level = 0
@@ -89,22 +89,22 @@ class AsyncPooler:
         self._failure: BaseException | None = None
         self._open, self._open_lock = True, threading.Lock()  # whether jobs may be put
         self._counts = {"running": 0, "prompt_tokens": 0}
-        loaded: queue.SimpleQueue[Encoder | BaseException] = queue.SimpleQueue()
+        loaded: queue.SimpleQueue[PoolingModel | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(Path(source), loaded), name="pagedserve-pooler", daemon=True
         )
         self._thread.start()
-        encoder = loaded.get()
-        if isinstance(encoder, BaseException):
+        model = loaded.get()
+        if isinstance(model, BaseException):
             self._thread.join()
-            raise encoder
+            raise model
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source)
         except BaseException:
             self._jobs.put(_STOP)
             self._thread.join()
             raise
-        window = encoder.max_length
+        window = model.max_length
         if config.max_model_len is not None and config.max_model_len > window:
             # A server's shared setting (several models) may pass a pooling model's window.
             logger.warning(
@@ -113,11 +113,11 @@ class AsyncPooler:
             )  # fmt: skip
         self.max_model_len = min(config.max_model_len or window, window)
         self._budget = max(config.max_num_batched_tokens, self.max_model_len)
-        self.hidden_size = encoder.hidden_size
-        self.vocab_size = encoder.config.vocab_size
+        self.hidden_size = model.hidden_size
+        self.vocab_size = model.config.vocab_size
         self.num_labels = 0
         if spec.task == "classify":
-            self.num_labels = 1 if spec.causal else getattr(encoder.config, "num_labels", 0)
+            self.num_labels = 1 if spec.causal else getattr(model.config, "num_labels", 0)
 
     @property
     def is_healthy(self) -> bool:
@@ -198,7 +198,7 @@ class AsyncPooler:
 
     def _run(self, folder: Path, loaded: queue.SimpleQueue) -> None:
         try:
-            encoder = Encoder(folder, self.spec, self.dtype)
+            model = PoolingModel(folder, self.spec, self.dtype)
         except BaseException as exc:
             loaded.put(
                 exc
@@ -206,8 +206,8 @@ class AsyncPooler:
                 else ModelLoadError(f"{folder}: {exc}")
             )
             return
-        loaded.put(encoder)
-        forward = encoder.classify if self.spec.task == "classify" else encoder.embed
+        loaded.put(model)
+        forward = model.classify if self.spec.task == "classify" else model.embed
         pending: deque[_Job] = deque()
         try:
             while (batch := self._next_batch(pending)) is not None:

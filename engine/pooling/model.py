@@ -37,7 +37,7 @@ class Text:
     token_type_ids: list[int] | None = None
 
 
-class Encoder:
+class PoolingModel:
     """The model of a pooling folder in `dtype` on the CPU: `embed` and `classify` texts."""
 
     def __init__(self, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> None:

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
-from engine.pooling.encoder import Encoder, Text
+from engine.pooling.model import PoolingModel, Text
 from engine.pooling.spec import pooling_spec
 
 SHAPE = dict(
@@ -34,7 +34,7 @@ def test_packed_texts_embed_as_the_padded_forward_by_cls(
     model_class(config).save_pretrained(tmp_path)
     spec = pooling_spec(tmp_path)
     assert spec is not None and (spec.pooling, spec.normalize) == ("cls", True)
-    encoder = Encoder(tmp_path, spec, torch.float32)
+    encoder = PoolingModel(tmp_path, spec, torch.float32)
     assert encoder.max_length == 130 - encoder.position_offset
     lengths = [3, 17, 1, 40, encoder.max_length]
     texts = [torch.randint(2, 300, (n,)).tolist() for n in lengths]
