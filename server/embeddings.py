@@ -40,8 +40,8 @@ async def _pooler(request: Request, model: str | None) -> tuple[str, AsyncPooler
     llm = served.ready_llm()
     if not isinstance(llm, AsyncPooler):
         raise invalid_request(
-            f"the model '{served.name}' generates text: {request.url.path} needs an embedding "
-            "model or a cross-encoder",
+            f"the model '{served.name}' generates text: {request.url.path} needs a pooling "
+            "model (an embedding model, a cross-encoder or a reranker)",
             "model",
         )
     if adapter is not None:
