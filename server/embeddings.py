@@ -23,6 +23,7 @@ from engine.pooling.async_pooler import AsyncPooler, InputTooLong
 from engine.pooling.model import Text
 from server.admission import Deadline, request_deadline
 from server.auth import require_api_key
+from server.disconnect import cancel_on_disconnect
 from server.errors import deadline_exceeded, invalid_request
 from server.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.state import server_state
@@ -52,11 +53,12 @@ async def _pooler(request: Request, model: str | None) -> tuple[str, AsyncPooler
 async def _run(
     request: Request, pooler: AsyncPooler, deadline: Deadline | None, texts: list[Text]
 ) -> list[torch.Tensor]:
-    """The texts' results, within the request's deadline and its admission."""
+    """The texts' results, within the request's deadline and its admission; the deadline
+    passing or the client leaving takes its texts that have not started off the queue."""
     with server_state(request).admission.admit(1):
         try:
             async with asyncio.timeout(None if deadline is None else deadline.remaining()):
-                return await pooler.run(texts)
+                return await cancel_on_disconnect(request, pooler.run(texts))
         except TimeoutError:
             assert deadline is not None
             raise deadline_exceeded(deadline.timeout, 0) from None

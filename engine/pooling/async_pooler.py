@@ -89,6 +89,8 @@ class AsyncPooler:
         self._failure: BaseException | None = None
         self._open, self._open_lock = True, threading.Lock()  # whether jobs may be put
         self._counts = {"running": 0, "prompt_tokens": 0}
+        # Jobs taken from the queue, not yet in a batch (the engine thread's alone).
+        self._pending: deque[_Job] = deque()
         loaded: queue.SimpleQueue[PoolingModel | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(Path(source), loaded), name="pagedserve-pooler", daemon=True
@@ -128,14 +130,19 @@ class AsyncPooler:
         return await asyncio.shield(asyncio.wrap_future(self._ended))
 
     async def run(self, texts: list[Text]) -> list[torch.Tensor]:
-        """Each text's embedding (`embed` models) or logits (`classify` models)."""
+        """Each text's embedding (`embed` models) or logits (`classify` models). Cancelling
+        the call takes its texts that have not started out of the queue."""
         jobs = [_Job(text) for text in texts]
         with self._open_lock:
             if not self._open:
                 raise EngineError("the engine has shut down")
             for job in jobs:
                 self._jobs.put(job)
-        return list(await asyncio.gather(*(asyncio.wrap_future(job.result) for job in jobs)))
+        try:
+            return list(await asyncio.gather(*(asyncio.wrap_future(job.result) for job in jobs)))
+        finally:
+            for job in jobs:
+                job.result.cancel()  # its texts not started leave the queue (a no-op once run)
 
     def encode(
         self, inputs: list[str] | list[list[int]] | list[tuple[str, str]], truncate: int | None
@@ -174,7 +181,7 @@ class AsyncPooler:
         return texts
 
     def stats(self) -> EngineStats:
-        waiting = self._jobs.qsize()
+        waiting = self._jobs.qsize() + len(self._pending)
         return EngineStats(
             num_running=self._counts["running"], num_waiting=waiting, num_kv_blocks=0,
             used_kv_blocks=0, cached_free_kv_blocks=0, kv_usage=0.0, prefix_cache_queries=0,
@@ -208,9 +215,10 @@ class AsyncPooler:
             return
         loaded.put(model)
         forward = model.classify if self.spec.task == "classify" else model.embed
-        pending: deque[_Job] = deque()
         try:
-            while (batch := self._next_batch(pending)) is not None:
+            while (batch := self._next_batch()) is not None:
+                if not batch:  # every job taken was cancelled
+                    continue
                 self._counts["running"] = len(batch)
                 started = time.monotonic()
                 try:
@@ -234,14 +242,15 @@ class AsyncPooler:
             failure = self._failure or EngineError("the engine has shut down")
             with self._open_lock:
                 self._open = False
-            for left in [*pending, *_drain(self._jobs)]:
+            for left in [*self._pending, *_drain(self._jobs)]:
                 if left is not None and not left.result.done():
                     left.result.set_exception(failure)
             self._ended.set_result(self._failure)
 
-    def _next_batch(self, pending: deque[_Job]) -> list[_Job] | None:
-        """The waiting jobs up to the token budget, in arrival order (blocks while none
-        waits); None once stopped."""
+    def _next_batch(self) -> list[_Job] | None:
+        """The waiting jobs up to the token budget, in arrival order, marked running (those
+        cancelled are dropped; blocks while none waits); None once stopped."""
+        pending = self._pending
         waiting = _drain(self._jobs) if pending else [self._jobs.get(), *_drain(self._jobs)]
         jobs = [job for job in waiting if job is not _STOP]
         pending.extend(jobs)
@@ -251,8 +260,9 @@ class AsyncPooler:
         tokens = 0
         while pending and (not batch or tokens + len(pending[0].text.token_ids) <= self._budget):
             job = pending.popleft()
-            tokens += len(job.text.token_ids)
-            batch.append(job)
+            if job.result.set_running_or_notify_cancel():  # False: its request was cancelled
+                tokens += len(job.text.token_ids)
+                batch.append(job)
         return batch
 
 

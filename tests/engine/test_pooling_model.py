@@ -3,6 +3,7 @@ random RoBERTa (whose positions start after the padding index)."""
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
+from engine.config import EngineConfig
+from engine.pooling.async_pooler import AsyncPooler
 from engine.pooling.model import PoolingModel, Text
 from engine.pooling.spec import pooling_spec
 
@@ -47,3 +50,30 @@ def test_packed_texts_embed_as_the_padded_forward_by_cls(
     with torch.no_grad():
         states = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     assert torch.allclose(got, F.normalize(states[:, 0], dim=-1), atol=1e-5)
+
+
+def test_a_cancelled_runs_waiting_texts_are_never_computed(tmp_path: Path):
+    torch.manual_seed(0)
+    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
+    (tmp_path / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
+    pooler = AsyncPooler(
+        EngineConfig(model=str(tmp_path), max_num_batched_tokens=128), pooling_spec(tmp_path)
+    )
+    first = [Text(list(range(2, 122))) for _ in range(40)]  # 40 batches of one text
+    second = [Text(list(range(2, 12))) for _ in range(8)]
+
+    async def scenario() -> None:
+        running = asyncio.ensure_future(pooler.run(first))
+        while pooler.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        cancelled = asyncio.ensure_future(pooler.run(second))
+        await asyncio.sleep(0.01)  # its texts wait behind the first run's
+        assert pooler.stats().num_waiting > len(second)
+        cancelled.cancel()
+        assert len(await running) == len(first)
+        await asyncio.sleep(0.2)
+        assert pooler.stats().prompt_tokens_total == 40 * 120
+        assert pooler.stats().num_waiting == 0
+        await pooler.shutdown()
+
+    asyncio.run(scenario())
