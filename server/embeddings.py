@@ -38,16 +38,10 @@ async def _pooler(request: Request, model: str | None) -> tuple[str, AsyncPooler
     served, adapter = await state.models.lease(
         request, model or state.models.first.name, None, deadline
     )
-    llm = served.ready_llm()
-    if not isinstance(llm, AsyncPooler):
-        raise invalid_request(
-            f"the model '{served.name}' generates text: {request.url.path} needs a pooling "
-            "model (an embedding model, a cross-encoder or a reranker)",
-            "model",
-        )
+    pooler = served.pooler(request.url.path)
     if adapter is not None:
         raise invalid_request("LoRA adapters apply to generation, not to pooling", "model")
-    return served.name, llm, deadline
+    return served.name, pooler, deadline
 
 
 async def _run(

@@ -133,6 +133,17 @@ class ServedModel:
             )  # fmt: skip
         return llm
 
+    def pooler(self, use: str) -> AsyncPooler:
+        """The engine of a pooling model; a 400 naming `use` (an endpoint) for a model that
+        generates."""
+        llm = self.ready_llm()
+        if not isinstance(llm, AsyncPooler):
+            raise OpenAIError(
+                400, f"the model '{self.name}' generates text: {use} needs a pooling model (an "
+                "embedding model, a cross-encoder or a reranker)", param="model",
+            )  # fmt: skip
+        return llm
+
     def tool_calling(self) -> ToolCalling | None:
         """How the model writes tool calls (the `tool_call_parser` setting), from the tools
         room, asked the first time a request needs it; None without it."""
