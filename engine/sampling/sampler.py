@@ -342,8 +342,9 @@ def _nucleus_floor(
     sorted_logits = logits.topk(candidates, dim=-1).values
     probs = (sorted_logits - _logsumexp(logits)).exp()
     mass = probs.cumsum(dim=-1)
-    # A token goes when the tokens before it already reach p; the first always stays.
-    kept = (mass - probs < top_p).sum(dim=-1, keepdim=True)
+    # A token goes when the tokens before it already reach p; the first always stays (a p
+    # that float32 rounds to 0 included).
+    kept = (mass - probs < top_p).sum(dim=-1, keepdim=True).clamp(min=1)
     return sorted_logits.gather(1, kept - 1), mass[:, -1] >= top_p[:, 0]
 
 

@@ -123,6 +123,12 @@ def test_top_p_keeps_the_smallest_nucleus_reaching_p(sampler: Sampler) -> None:
     assert drawn(sampler, logits, SamplingParams(top_p=0.85)) == {0, 1, 2}
 
 
+def test_a_top_p_below_float32s_smallest_keeps_the_top_token(sampler: Sampler) -> None:
+    # 1e-46 is a valid p (> 0) that float32 rounds to 0: the first token still stays.
+    logits = repeat_distribution([0.5, 0.3, 0.15, 0.05], 50)
+    assert drawn(sampler, logits, SamplingParams(top_p=1e-46)) == {0}
+
+
 def reference_top_p(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Full sort: keep tokens until the ones before reach top_p (ties with the last kept)."""
     sorted_logits = logits.sort(dim=-1, descending=True).values
