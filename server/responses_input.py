@@ -83,16 +83,17 @@ def as_chat_request(
     """The chat request for `body` over the conversation `items`, of which those from
     `first_new` on are the request's `input`, with the chat template's `variables`
     (`thinking_variables`). A 400 names the input item at fault: an output whose call is
-    nowhere before it, or an empty conversation."""
+    nowhere before it, a call no output after it answers, or an empty conversation."""
     messages: list[dict[str, Any]] = []
     if body.instructions is not None:
         messages.append({"role": "system", "content": body.instructions})
-    calls: set[str] = set()
+    calls: dict[str, int] = {}  # call_id -> the index of its call, while unanswered
+    answered: set[str] = set()
     for index, item in enumerate(items):
         if isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": item.text()})
         elif isinstance(item, FunctionCallItem):
-            calls.add(item.call_id)
+            calls[item.call_id] = index
             call = {
                 "id": item.call_id,
                 "type": "function",
@@ -103,13 +104,18 @@ def as_chat_request(
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif isinstance(item, FunctionCallOutputItem):
-            if item.call_id not in calls:
+            if item.call_id not in calls and item.call_id not in answered:
                 raise invalid_request(
                     f"input[{index - first_new}].call_id: no function_call with call_id "
                     f"{item.call_id!r} comes before this output",
                     f"input[{index - first_new}].call_id",
                 )
+            calls.pop(item.call_id, None)
+            answered.add(item.call_id)
             messages.append({"role": "tool", "tool_call_id": item.call_id, "content": item.text()})
+    if calls:
+        call_id, index = next(iter(calls.items()))
+        raise _unanswered(call_id, index - first_new)
     if not messages:
         raise invalid_request("input: the conversation is empty: give a message", "input")
     return ChatCompletionRequest.model_validate(
@@ -127,6 +133,17 @@ def as_chat_request(
             "priority": body.priority,
             "chat_template_kwargs": variables,
         }
+    )
+
+
+def _unanswered(call_id: str, position: int) -> Exception:
+    """The 400 of a function_call no function_call_output answers, as OpenAI words it;
+    `position` < 0: the call is in the stored conversation before the input."""
+    where = f"input[{position}]" if position >= 0 else "the previous response's output"
+    return invalid_request(
+        f"input: no tool output found for function call {call_id!r} ({where}): give a "
+        f"function_call_output item with call_id {call_id!r} after it",
+        f"input[{position}]" if position >= 0 else "input",
     )
 
 

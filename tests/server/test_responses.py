@@ -200,6 +200,12 @@ def test_forced_function_call_and_its_output_round_trip(api: openai.OpenAI) -> N
     assert call.type == "function_call" and call.name == "get_weather"
     assert json.loads(call.arguments)["city"] in ("Paris", "Rome")
     assert call.call_id.startswith("call_") and call.status == "completed"
+    # the call answered by nothing, after the stored response or in the input: a 400
+    unanswered = [*ask, call.model_dump(exclude_none=True), {"role": "user", "content": "?"}]
+    for kwargs in ({"input": "And Rome?", "previous_response_id": first.id}, {"input": unanswered}):
+        with pytest.raises(openai.BadRequestError) as refused:
+            api.responses.create(model="tiny", max_output_tokens=TOKENS, **kwargs)
+        assert f"function call {call.call_id!r}" in refused.value.body["message"]
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
     # stateless: the call and its output sent back; stateful: the output after the call
     sent_back = api.responses.create(
@@ -312,6 +318,16 @@ BAD_REQUESTS: dict[str, tuple[dict[str, Any], int, str | None]] = {
         {"input": [{"type": "function_call_output", "call_id": "call_1", "output": "1"}]},
         400,
         "input[0].call_id",
+    ),
+    "call without its output": (
+        {
+            "input": [
+                {"role": "user", "content": "hi"},
+                {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"},
+            ]
+        },
+        400,
+        "input[1]",
     ),
     "call arguments not an object": (
         {"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "[]"}]},
