@@ -39,6 +39,7 @@ from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import OpenAIError, RequestIdMiddleware, install_error_handlers
 from server.model_pool import LLMFactory, ModelLeases, ModelPool
+from server.openapi import install_openapi
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -92,6 +93,7 @@ def build_app(
     app.include_router(sleep.router)
     app.include_router(lora.router)
     capabilities.install_dashboard(app)
+    install_openapi(app)
     return app
 
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import hashlib
 import hmac
 
-from fastapi import Request
+from fastapi import APIRouter, Depends, Request
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 from server.errors import OpenAIError
+from server.openapi import FAILED, KEYED, ErrorBody, documented
 from server.state import server_state
 
 
@@ -38,6 +41,18 @@ async def require_api_key(request: Request) -> None:
             code="invalid_api_key",
             headers={"WWW-Authenticate": "Bearer"},
         )
+
+
+def keyed_router(
+    envelope: type[BaseModel] = ErrorBody, route_class: type[APIRoute] = APIRoute
+) -> APIRouter:
+    """A router of operations behind the API key; /openapi.json says each can answer the
+    key's 401 and a 500, in `envelope`."""
+    return APIRouter(
+        route_class=route_class,
+        dependencies=[Depends(require_api_key)],
+        responses=documented(None, *KEYED, *FAILED, envelope=envelope),
+    )
 
 
 def key_owner(request: Request) -> str:

@@ -12,10 +12,10 @@ from collections.abc import AsyncGenerator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 
 from engine.errors import EngineError
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.conversation import CallStream, OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
 from server.handling import (
@@ -29,6 +29,7 @@ from server.handling import (
     sse,
 )
 from server.logprobs import chat_logprobs, prompt_logprobs
+from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -48,11 +49,18 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput, TokenLogprobs
     from engine.request.intake import EngineRequest
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
 _FIELDS = set(ChatCompletionRequest.model_fields)
 
 
-@router.post("/v1/chat/completions", response_model=None)
+_STREAM = "server-sent events (stream true): each data line a ChatCompletionChunk, then [DONE]"
+
+
+@router.post(
+    "/v1/chat/completions",
+    response_model=None,
+    responses=documented(ChatCompletionResponse, *INVALID, *MODEL, *ADMITTED, stream=_STREAM),
+)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     handling = await Handling.begin(request, body.model, body.keep_alive)
     llm = handling.llm

@@ -15,10 +15,10 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 
 from engine.errors import EngineError
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.errors import OpenAIError, engine_failure, error_body, user_errors
 from server.handling import (
     DONE,
@@ -32,6 +32,7 @@ from server.handling import (
     sse,
 )
 from server.logprobs import CompletionLogprobsFormatter, joined, prompt_logprobs
+from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.protocol import (
     CompletionChoice,
     CompletionLogprobs,
@@ -45,11 +46,18 @@ if TYPE_CHECKING:
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
 _FIELDS = set(CompletionRequest.model_fields)
 
 
-@router.post("/v1/completions", response_model=None)
+_STREAM = "server-sent events (stream true): each data line a text_completion chunk, then [DONE]"
+
+
+@router.post(
+    "/v1/completions",
+    response_model=None,
+    responses=documented(CompletionResponse, *INVALID, *MODEL, *ADMITTED, stream=_STREAM),
+)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     handling = await Handling.begin(request, body.model, body.keep_alive)
     llm = handling.llm

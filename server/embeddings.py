@@ -17,18 +17,35 @@ import uuid
 
 import torch
 import torch.nn.functional as F
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request, Response
 
 from engine.pooling.async_pooler import AsyncPooler, InputTooLong
 from engine.pooling.model import Text
 from server.admission import Deadline, request_deadline
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.disconnect import cancel_on_disconnect
 from server.errors import deadline_exceeded, invalid_request
-from server.pooling_protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from server.handling import json_response
+from server.openapi import ADMITTED, INVALID, MODEL, documented
+from server.pooling_protocol import (
+    Embedding,
+    EmbeddingRequest,
+    EmbeddingResponse,
+    PoolingUsage,
+    RerankDocument,
+    RerankRequest,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    Score,
+    ScoreRequest,
+    ScoreResponse,
+)
 from server.state import server_state
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
+# The errors of every pooling endpoint.
+_ERRORS = (*INVALID, *MODEL, *ADMITTED)
 
 
 async def _pooler(request: Request, model: str | None) -> tuple[str, AsyncPooler, Deadline | None]:
@@ -69,9 +86,9 @@ async def _encode(
         raise invalid_request(str(exc), param) from None
 
 
-def _usage(texts: list[Text]) -> dict[str, int]:
+def _usage(texts: list[Text]) -> PoolingUsage:
     tokens = sum(len(text.token_ids) for text in texts)
-    return {"prompt_tokens": tokens, "total_tokens": tokens}
+    return PoolingUsage(prompt_tokens=tokens, total_tokens=tokens)
 
 
 def _check_dimensions(pooler: AsyncPooler, dimensions: int | None) -> None:
@@ -103,8 +120,10 @@ def _encoded(vector: torch.Tensor, encoding: str) -> list[float] | str:
     return vector.tolist()
 
 
-@router.post("/v1/embeddings")
-async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, object]:
+@router.post(
+    "/v1/embeddings", response_model=None, responses=documented(EmbeddingResponse, *_ERRORS)
+)
+async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
     name, pooler, deadline = await _pooler(request, body.model)
     if pooler.spec.task != "embed":
         raise invalid_request(
@@ -114,14 +133,21 @@ async def embeddings(body: EmbeddingRequest, request: Request) -> dict[str, obje
     texts = await _encode(pooler, body.texts(), body.truncate_prompt_tokens, "input")
     vectors = await _run(request, pooler, deadline, texts)
     data = [
-        {"object": "embedding", "index": i,
-         "embedding": _encoded(_cut(pooler, vector, body.dimensions), body.encoding_format)}
+        Embedding(
+            index=i,
+            embedding=_encoded(_cut(pooler, vector, body.dimensions), body.encoding_format),
+        )
         for i, vector in enumerate(vectors)
-    ]  # fmt: skip
-    return {
-        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-        "model": name, "data": data, "usage": _usage(texts),
-    }  # fmt: skip
+    ]
+    return json_response(
+        EmbeddingResponse(
+            id=f"embd-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=name,
+            data=data,
+            usage=_usage(texts),
+        )
+    )
 
 
 async def _scores(
@@ -130,7 +156,7 @@ async def _scores(
     pairs: list[tuple[str, str]],
     truncate: int | None,
     param: str,
-) -> tuple[str, list[float], dict[str, int]]:
+) -> tuple[str, list[float], PoolingUsage]:
     """Each pair's score under the model: a cross-encoder's, else its embeddings' cosine."""
     name, pooler, deadline = await _pooler(request, model)
     if pooler.spec.task == "classify":
@@ -149,23 +175,31 @@ async def _scores(
     return name, scores, _usage(texts)
 
 
-@router.post("/score")
-@router.post("/v1/score")
-async def score(body: ScoreRequest, request: Request) -> dict[str, object]:
+_SCORED = documented(ScoreResponse, *_ERRORS)
+_RERANKED = documented(RerankResponse, *_ERRORS)
+
+
+@router.post("/score", response_model=None, responses=_SCORED)
+@router.post("/v1/score", response_model=None, responses=_SCORED)
+async def score(body: ScoreRequest, request: Request) -> Response:
     name, scores, usage = await _scores(
         request, body.model, body.pairs(), body.truncate_prompt_tokens, "text_2"
     )
-    return {
-        "id": f"score-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()),
-        "model": name, "usage": usage,
-        "data": [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)],
-    }  # fmt: skip
+    return json_response(
+        ScoreResponse(
+            id=f"score-{uuid.uuid4().hex}",
+            created=int(time.time()),
+            model=name,
+            usage=usage,
+            data=[Score(index=i, score=s) for i, s in enumerate(scores)],
+        )
+    )
 
 
-@router.post("/rerank")
-@router.post("/v1/rerank")
-@router.post("/v2/rerank")
-async def rerank(body: RerankRequest, request: Request) -> dict[str, object]:
+@router.post("/rerank", response_model=None, responses=_RERANKED)
+@router.post("/v1/rerank", response_model=None, responses=_RERANKED)
+@router.post("/v2/rerank", response_model=None, responses=_RERANKED)
+async def rerank(body: RerankRequest, request: Request) -> Response:
     pairs = [(body.query, document) for document in body.documents]
     name, scores, usage = await _scores(
         request, body.model, pairs, body.truncate_prompt_tokens, "documents"
@@ -173,13 +207,17 @@ async def rerank(body: RerankRequest, request: Request) -> dict[str, object]:
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[: body.top_n]
-    results = []
-    for i in order:
-        result: dict[str, object] = {"index": i, "relevance_score": scores[i]}
-        if body.return_documents:
-            result["document"] = {"text": body.documents[i]}
-        results.append(result)
-    return {
-        "id": f"rerank-{uuid.uuid4().hex}", "model": name,
-        "usage": {"total_tokens": usage["total_tokens"]}, "results": results,
-    }  # fmt: skip
+    results = [
+        RerankResult(
+            index=i,
+            relevance_score=scores[i],
+            document=RerankDocument(text=body.documents[i]) if body.return_documents else None,
+        )
+        for i in order
+    ]
+    response = RerankResponse(
+        id=f"rerank-{uuid.uuid4().hex}", model=name,
+        usage=RerankUsage(total_tokens=usage.total_tokens), results=results,
+    )  # fmt: skip
+    # A result without its document leaves the field out, as Cohere's and Jina's do.
+    return Response(response.model_dump_json(exclude_none=True), media_type="application/json")

@@ -145,7 +145,7 @@ def describe_validation_error(
         and "[" not in str(part)
         and not (part in _ITEM_TAGS and i > 0 and isinstance(loc[i - 1], int))
     ]
-    if location and location[0] == "body":
+    if location and location[0] in ("body", "query", "path"):
         location = location[1:]
     if error["type"] == "json_invalid":
         reason = error.get("ctx", {}).get("error", "")
@@ -173,10 +173,16 @@ def _format_location(location: list[int | str]) -> str:
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+    return error_response(http_error(exc))
+
+
+def http_error(exc: StarletteHTTPException) -> OpenAIError:
+    """The error of an HTTPException from Starlette or FastAPI (a body that cannot be
+    read as JSON, an unknown path), with its status and message."""
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     detail = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
     message = detail or HTTPStatus(exc.status_code).phrase
-    return error_response(OpenAIError(exc.status_code, message, type=kind, headers=exc.headers))
+    return OpenAIError(exc.status_code, message, type=kind, headers=exc.headers)
 
 
 async def _engine_error(request: Request, exc: EngineError) -> Response:

@@ -11,16 +11,19 @@ again (`keep_alive`), not across restarts.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 from fastapi.responses import PlainTextResponse
 
 from engine.errors import AdapterError
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.errors import OpenAIError
+from server.openapi import INVALID, documented
 from server.protocol import LoadLoRARequest, UnloadLoRARequest
 from server.state import ServerState, server_state
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
+# A load's or an unload's answer: one line of text, as vLLM's.
+_ANSWERS = documented(None, *INVALID, 404, 503, media_type="text/plain")
 
 
 def _state(request: Request) -> ServerState:
@@ -34,7 +37,7 @@ def _state(request: Request) -> ServerState:
     return state
 
 
-@router.post("/v1/load_lora_adapter")
+@router.post("/v1/load_lora_adapter", response_class=PlainTextResponse, responses=_ANSWERS)
 async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTextResponse:
     models = _state(request).models
     model = models.find(body.model or models.first.name)
@@ -50,7 +53,7 @@ async def load_lora_adapter(body: LoadLoRARequest, request: Request) -> PlainTex
     return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
 
-@router.post("/v1/unload_lora_adapter")
+@router.post("/v1/unload_lora_adapter", response_class=PlainTextResponse, responses=_ANSWERS)
 async def unload_lora_adapter(body: UnloadLoRARequest, request: Request) -> PlainTextResponse:
     models = _state(request).models
     found = models.resolve(body.lora_name)

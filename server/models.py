@@ -4,18 +4,31 @@ LoRA adapters with their `parent`), and llama-server's POST /models/load and POS
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Request
 
 from engine.pooling.async_pooler import AsyncPooler
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.model_pool import ServedModel
-from server.protocol import ModelAction, ModelCard, ModelList
+from server.openapi import INVALID, documented
+from server.protocol import ModelAction, ModelCard, ModelList, ResponseModel
 from server.state import server_state
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
 
 
-@router.get("/v1/models")
+class ModelLoaded(ResponseModel):
+    model: str
+    state: str
+    load_seconds: float
+
+
+class ModelUnloaded(ResponseModel):
+    model: str
+    state: str
+    unload_seconds: float
+
+
+@router.get("/v1/models", responses=documented(ModelList, 503))
 async def list_models(request: Request) -> ModelList:
     """A single model's server: its model once loaded (a 503 before); a server of several
     models: each of them, loaded or not."""
@@ -49,21 +62,23 @@ def _card(
     )
 
 
-@router.post("/models/load")
-async def load(body: ModelAction, request: Request) -> dict[str, object]:
+@router.post("/models/load", responses=documented(ModelLoaded, *INVALID, 404, 503))
+async def load(body: ModelAction, request: Request) -> ModelLoaded:
     """Load the model (a no-op if it is loaded); answers once it is, with the seconds its
     load took."""
     models = server_state(request).models
     model = models.find(body.model)
     await models.load(model)
-    return {"model": model.name, "state": model.state, "load_seconds": round(model.load_seconds, 3)}
+    return ModelLoaded(
+        model=model.name, state=model.state, load_seconds=round(model.load_seconds, 3)
+    )
 
 
-@router.post("/models/unload")
-async def unload(body: ModelAction, request: Request) -> dict[str, object]:
+@router.post("/models/unload", responses=documented(ModelUnloaded, *INVALID, 404, 503))
+async def unload(body: ModelAction, request: Request) -> ModelUnloaded:
     """Unload the model once its requests in flight have finished; its memory goes back to
     the machine. A request for it afterwards loads it again (under `autoload`)."""
     models = server_state(request).models
     model = models.find(body.model)
     seconds = await models.unload(model)
-    return {"model": model.name, "state": model.state, "unload_seconds": round(seconds, 3)}
+    return ModelUnloaded(model=model.name, state=model.state, unload_seconds=round(seconds, 3))

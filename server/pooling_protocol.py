@@ -1,5 +1,6 @@
-"""Request bodies of the pooling endpoints, strict and closed as every request model:
-OpenAI's /v1/embeddings, vLLM's /score, and /rerank in the Jina/Cohere shape vLLM takes."""
+"""Request and response bodies of the pooling endpoints, the requests strict and closed as
+every request model: OpenAI's /v1/embeddings, vLLM's /score, and /rerank in the
+Jina/Cohere shape vLLM takes."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from server.protocol import RequestBody, field_error
+from server.protocol import RequestBody, ResponseModel, field_error
 
 
 def _truncation(value: int | None) -> int | None:
@@ -83,3 +84,59 @@ class RerankRequest(RequestBody):
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
     truncate_prompt_tokens: Truncate = None
+
+
+class PoolingUsage(ResponseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class Embedding(ResponseModel):
+    object: Literal["embedding"] = "embedding"
+    index: int
+    embedding: list[float] | str = Field(description="floats, or base64 of float32 LE")
+
+
+class EmbeddingResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Embedding]
+    usage: PoolingUsage
+
+
+class Score(ResponseModel):
+    index: int
+    object: Literal["score"] = "score"
+    score: float
+
+
+class ScoreResponse(ResponseModel):
+    id: str
+    object: Literal["list"] = "list"
+    created: int
+    model: str
+    data: list[Score]
+    usage: PoolingUsage
+
+
+class RerankDocument(ResponseModel):
+    text: str
+
+
+class RerankResult(ResponseModel):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None  # with return_documents
+
+
+class RerankUsage(ResponseModel):
+    total_tokens: int
+
+
+class RerankResponse(ResponseModel):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]

@@ -19,14 +19,25 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    GetJsonSchemaHandler,
     PlainValidator,
+    WithJsonSchema,
     model_serializer,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, PydanticCustomError
 
 from engine.request.intake import Prompt, as_prompt_list
-from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
+from engine.sampling.params import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_N,
+    SEED_RANGE,
+    SamplingParams,
+    StructuredOutputs,
+    with_defaults,
+)
 from server.config import KeepAlive
 
 # Request fields that carry over to SamplingParams under the same name.
@@ -160,6 +171,18 @@ class _Body(_Request):
     strings, keys included: JSON can escape one, but it is not Unicode text, so neither
     the tokenizer nor a response (an error included) could carry it."""
 
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, core_schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        """The body's schema, with the fields it accepts and ignores among its properties
+        (any value; their description says why they change nothing)."""
+        schema = handler(core_schema)
+        properties = handler.resolve_ref_schema(schema).setdefault("properties", {})
+        for name, reason in cls.IGNORED_FIELDS.items():
+            properties.setdefault(name, {"description": f"accepted and ignored: {reason}"})
+        return schema
+
     @model_validator(mode="before")
     @classmethod
     def _refuse_lone_surrogates(cls, data: Any) -> Any:
@@ -238,6 +261,29 @@ STRUCTURED_OUTPUT_FIELDS = (
 )
 
 
+def limits(**bounds: float) -> Any:
+    """An optional field whose JSON Schema states the bounds `SamplingParams` enforces
+    (`minimum`, `maximum`, `exclusiveMinimum`); the check and its message stay the
+    engine's own."""
+    return Field(default=None, json_schema_extra=bounds)
+
+
+# The prompt of /v1/completions as `as_prompt_list` takes it.
+PROMPT_SCHEMA = {
+    "anyOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
+        {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+        {
+            "type": "array",
+            "items": {"type": "array", "items": {"type": "integer", "minimum": 0}, "minItems": 1},
+            "minItems": 1,
+        },
+    ]
+}
+LOGPROBS = limits(minimum=0, maximum=MAX_LOGPROBS)
+
+
 class SamplingRequest(_Body):
     """The fields completions and chat share; all map onto `SamplingParams`."""
 
@@ -247,28 +293,34 @@ class SamplingRequest(_Body):
     model: str
     # Ollama's: how long the model stays loaded after this request (server/model_pool.py).
     keep_alive: KeepAlive | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    n: int | None = limits(minimum=1, maximum=MAX_N)
+    temperature: float | None = limits(minimum=0)
+    top_p: float | None = limits(exclusiveMinimum=0, maximum=1)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    seed: int | None = limits(minimum=SEED_RANGE[0], maximum=SEED_RANGE[1])
+    presence_penalty: float | None = limits(minimum=-2, maximum=2)
+    frequency_penalty: float | None = limits(minimum=-2, maximum=2)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias
+    logit_bias: dict[str, float] | None = Field(  # token id (as a string) -> bias
+        None,
+        json_schema_extra={
+            "propertyNames": {"pattern": "^[0-9]+$"},
+            "additionalProperties": {"minimum": -MAX_LOGIT_BIAS, "maximum": MAX_LOGIT_BIAS},
+        },
+    )
     # Extensions beyond OpenAI's API, as vLLM offers them.
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = limits(minimum=-1)
+    min_p: float | None = limits(minimum=0, maximum=1)
+    repetition_penalty: float | None = limits(exclusiveMinimum=0)
+    min_tokens: int | None = limits(minimum=0)
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     # A lower value is served first under the priority scheduling policy (vLLM's); the fcfs
     # policy refuses any but 0 (engine/request/intake.py).
     priority: int | None = None
     # vLLM's: the logprobs of the prompt's tokens, with this many alternatives each.
-    prompt_logprobs: int | None = None
+    prompt_logprobs: int | None = LOGPROBS
     # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -365,11 +417,11 @@ class SamplingRequest(_Body):
 class CompletionRequest(SamplingRequest):
     DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's
 
-    prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list)]
-    max_tokens: int | None = None
+    prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list), WithJsonSchema(PROMPT_SCHEMA)]
+    max_tokens: int | None = limits(minimum=0)  # 0 only with echo
     echo: bool | None = False
-    logprobs: int | None = None
-    best_of: int | None = None  # accepted when null or n: one sample per choice
+    logprobs: int | None = LOGPROBS
+    best_of: int | None = limits(minimum=1)  # accepted when null or n: one sample per choice
 
     @model_validator(mode="after")
     def _echo_logprobs_whole(self) -> CompletionRequest:
@@ -439,10 +491,37 @@ class ToolCall(_Request):
     function: FunctionCall
 
 
+# ChatMessage's invariants on its fields, in its JSON Schema.
+_MESSAGE_RULES = {
+    "allOf": [
+        {
+            "if": {"properties": {"role": {"const": "assistant"}}},
+            "else": {
+                "required": ["content"],
+                "properties": {
+                    "content": {"not": {"type": "null"}},
+                    "tool_calls": {"type": "null"},
+                },
+            },
+        },
+        {
+            "if": {"properties": {"role": {"const": "tool"}}},
+            "then": {
+                "required": ["tool_call_id"],
+                "properties": {"tool_call_id": {"type": "string"}},
+            },
+        },
+    ]
+}
+
+
 class ChatMessage(_Request):
     """Invariants: only an assistant message may come without content; `tool_calls` come
     only on assistant messages, and each call's arguments are a JSON object; a tool
-    message carries the `tool_call_id` it answers."""
+    message carries the `tool_call_id` it answers. The schema states all but the
+    arguments'."""
+
+    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
@@ -503,10 +582,10 @@ class ChatCompletionRequest(SamplingRequest):
     names are distinct and a named choice names one of them."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = limits(minimum=1)
+    max_completion_tokens: int | None = limits(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = LOGPROBS
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
@@ -581,6 +660,10 @@ class DetokenizeRequest(_Body):
 
 class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+# The base of the other endpoints' response models.
+ResponseModel = _Response
 
 
 class PromptTokensDetails(_Response):

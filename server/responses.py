@@ -17,19 +17,21 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from engine.errors import EngineError
-from server.auth import key_owner, require_api_key
+from server.auth import key_owner, keyed_router
 from server.conversation import OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, user_errors
 from server.handling import Handling, count_usage, final_outputs, generate, json_response
+from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.reasoning import ReasoningSyntax, reasoning_tokens, split_reasoning
 from server.responses_input import as_chat_request, stored_items, thinking_variables
 from server.responses_output import Event, Reply, new_item_id
 from server.responses_protocol import (
+    DeletedResponse,
     FunctionChoice,
     IncompleteDetails,
     InputItem,
@@ -47,12 +49,22 @@ if TYPE_CHECKING:
     from engine.outputs import RequestOutput
     from engine.request.intake import EngineRequest
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
 # The names a 400 may give as its `param`: the body's fields, and the format of its text.
 _FIELDS = set(ResponsesRequest.model_fields) | {"text.format"}
 
 
-@router.post("/v1/responses", response_model=None)
+_STREAM = (
+    "server-sent events (stream true): response.created, the output's events, then "
+    "response.completed (or .incomplete, .failed)"
+)
+
+
+@router.post(
+    "/v1/responses",
+    response_model=None,
+    responses=documented(ResponseObject, *INVALID, *MODEL, *ADMITTED, stream=_STREAM),
+)
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     handling = await Handling.begin(request, body.model, body.keep_alive)
     state, llm = handling.state, handling.llm
@@ -92,7 +104,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     return json_response(response)
 
 
-@router.get("/v1/responses/{response_id}", response_model=None)
+@router.get(
+    "/v1/responses/{response_id}", response_model=None, responses=documented(ResponseObject, 404)
+)
 async def get_response(response_id: str, request: Request) -> Response:
     stored = await server_state(request).responses.get(key_owner(request), response_id)
     if stored is None:
@@ -100,11 +114,15 @@ async def get_response(response_id: str, request: Request) -> Response:
     return JSONResponse(stored.response)
 
 
-@router.delete("/v1/responses/{response_id}", response_model=None)
+@router.delete(
+    "/v1/responses/{response_id}",
+    response_model=None,
+    responses=documented(DeletedResponse, 404),
+)
 async def delete_response(response_id: str, request: Request) -> Response:
     if not await server_state(request).responses.delete(key_owner(request), response_id):
         raise _not_found(response_id, None)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+    return json_response(DeletedResponse(id=response_id))
 
 
 def _not_found(response_id: str, param: str | None) -> OpenAIError:

@@ -20,7 +20,14 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, TypeAdapter, model_validator
 
 from server.config import KeepAlive
-from server.protocol import FunctionDefinition, _Body, _Request, _Response, check_type, field_error
+from server.protocol import (
+    FunctionDefinition,
+    RequestBody,
+    RequestModel,
+    ResponseModel,
+    check_type,
+    field_error,
+)
 
 # Responses fields that would change the output and that this server does not implement:
 # a 400 "not supported" with the reason, unless sent as null.
@@ -38,7 +45,7 @@ UNSUPPORTED_RESPONSES_FIELDS: dict[str, str] = {
 INPUT_ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 
 
-class ContentPart(_Request):
+class ContentPart(RequestModel):
     """A text part of a message: `input_text` (what users and instructions write) or
     `output_text` (an assistant's, sent back; its annotations and logprobs cannot change
     the output and are not read)."""
@@ -60,7 +67,7 @@ def _joined(content: str | list[ContentPart]) -> str:
     return content if isinstance(content, str) else "\n".join(part.text for part in content)
 
 
-class MessageItem(_Request):
+class MessageItem(RequestModel):
     type: Literal["message"] = "message"
     role: Literal["user", "system", "developer", "assistant"]
     content: str | list[ContentPart]
@@ -71,7 +78,7 @@ class MessageItem(_Request):
         return _joined(self.content)
 
 
-class FunctionCallItem(_Request):
+class FunctionCallItem(RequestModel):
     """A call the model made. Invariant: `arguments` is a JSON object, as text."""
 
     type: Literal["function_call"]
@@ -92,7 +99,7 @@ class FunctionCallItem(_Request):
         return self
 
 
-class FunctionCallOutputItem(_Request):
+class FunctionCallOutputItem(RequestModel):
     """A call's result, which the client computed; it answers the call of `call_id`."""
 
     type: Literal["function_call_output"]
@@ -105,17 +112,17 @@ class FunctionCallOutputItem(_Request):
         return _joined(self.output)
 
 
-class SummaryText(_Request):
+class SummaryText(RequestModel):
     type: Literal["summary_text"]
     text: str
 
 
-class ReasoningText(_Request):
+class ReasoningText(RequestModel):
     type: Literal["reasoning_text"]
     text: str
 
 
-class ReasoningItem(_Request):
+class ReasoningItem(RequestModel):
     """Reasoning a client sends back with the rest of a turn. Its text is kept with the
     conversation but not rendered into the prompt (see docs/responses.md); encrypted
     reasoning, which only its issuer can read, is refused."""
@@ -155,7 +162,7 @@ class FunctionTool(FunctionDefinition):
         return check_type(data, ("function",), message)
 
 
-class FunctionChoice(_Request):
+class FunctionChoice(RequestModel):
     """`tool_choice` naming the one function the reply must call."""
 
     type: Literal["function"]
@@ -168,7 +175,7 @@ class FunctionChoice(_Request):
         return check_type(data, ("function",), "{kind} is not supported: " + reason)
 
 
-class TextFormat(_Request):
+class TextFormat(RequestModel):
     """`text.format`; `name`, `schema`, `description` and `strict` belong to json_schema."""
 
     type: Literal["text", "json_object", "json_schema"]
@@ -186,7 +193,7 @@ class TextFormat(_Request):
         return self
 
 
-class ReasoningConfig(_Request):
+class ReasoningConfig(RequestModel):
     """`reasoning`. Invariant: it asks for no summary (none is written); whether the served
     model can honour the rest is checked at request time (`responses_input`)."""
 
@@ -203,11 +210,11 @@ class ReasoningConfig(_Request):
         return self
 
 
-class TextConfig(_Request):
+class TextConfig(RequestModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Body):
+class ResponsesRequest(RequestBody):
     """POST /v1/responses. Invariants: `tool_choice` and `parallel_tool_calls` come only
     with `tools`; tool names are distinct and a named choice names one of them; a reply
     forced to call a tool has no `text.format` but text; `include` asks for nothing."""
@@ -301,14 +308,14 @@ def _typed_item(index: int, item: Any) -> Any:
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
 
 
-class OutputText(_Response):
+class OutputText(ResponseModel):
     type: Literal["output_text"] = "output_text"
     text: str
     annotations: list[Any] = Field(default_factory=list)
     logprobs: list[Any] = Field(default_factory=list)
 
 
-class OutputMessage(_Response):
+class OutputMessage(ResponseModel):
     id: str
     type: Literal["message"] = "message"
     role: Literal["assistant"] = "assistant"
@@ -316,7 +323,7 @@ class OutputMessage(_Response):
     content: list[OutputText]
 
 
-class OutputFunctionCall(_Response):
+class OutputFunctionCall(ResponseModel):
     id: str
     type: Literal["function_call"] = "function_call"
     status: ItemStatus
@@ -325,12 +332,12 @@ class OutputFunctionCall(_Response):
     arguments: str
 
 
-class OutputReasoningText(_Response):
+class OutputReasoningText(ResponseModel):
     type: Literal["reasoning_text"] = "reasoning_text"
     text: str
 
 
-class OutputReasoning(_Response):
+class OutputReasoning(ResponseModel):
     """The reply's reasoning (server/reasoning.py), as its text: no summary is written."""
 
     id: str
@@ -343,15 +350,15 @@ class OutputReasoning(_Response):
 OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
-class InputTokensDetails(_Response):
+class InputTokensDetails(ResponseModel):
     cached_tokens: int
 
 
-class OutputTokensDetails(_Response):
+class OutputTokensDetails(ResponseModel):
     reasoning_tokens: int = 0
 
 
-class ResponseUsage(_Response):
+class ResponseUsage(ResponseModel):
     input_tokens: int
     input_tokens_details: InputTokensDetails
     output_tokens: int
@@ -359,16 +366,16 @@ class ResponseUsage(_Response):
     total_tokens: int
 
 
-class IncompleteDetails(_Response):
+class IncompleteDetails(ResponseModel):
     reason: Literal["max_output_tokens"]
 
 
-class ResponseError(_Response):
+class ResponseError(ResponseModel):
     code: str
     message: str
 
 
-class ResponseObject(_Response):
+class ResponseObject(ResponseModel):
     """A response as OpenAI writes one. `temperature` and `top_p` are the values used
     (a request's, else the defaults in force); `text`, `tools` and `tool_choice` echo the
     request's in the API's own shape."""
@@ -396,3 +403,9 @@ class ResponseObject(_Response):
     truncation: Literal["disabled"] = "disabled"
     usage: ResponseUsage | None = None
     metadata: dict[str, str] | None = None
+
+
+class DeletedResponse(ResponseModel):
+    id: str
+    object: Literal["response"] = "response"
+    deleted: Literal[True] = True

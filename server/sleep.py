@@ -8,18 +8,32 @@ In a server of several models, each call applies to every loaded model.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import Query, Request
+from pydantic import Field
 
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.errors import OpenAIError
+from server.openapi import INVALID, documented
+from server.protocol import ResponseModel
 from server.state import server_state
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
+
+
+class SleepReport(ResponseModel):
+    is_sleeping: bool
+    level: int
+    released_bytes: int = Field(description="the memory the sleep gave back")
+    seconds: float
+
+
+class SleepState(ResponseModel):
+    is_sleeping: bool
 
 
 def _refuse_unknown(request: Request, known: frozenset[str]) -> None:
@@ -36,31 +50,33 @@ def _engines(request: Request) -> list[AsyncLLM]:
     return [llm for _, llm in models.engines()]
 
 
-@router.post("/sleep")
-async def sleep(request: Request) -> dict[str, object]:
+Level = Annotated[
+    int, Query(ge=1, le=2, description="1: the KV cache's memory; 2: the weights' too")
+]
+
+
+@router.post("/sleep", responses=documented(SleepReport, *INVALID, 503))
+async def sleep(request: Request, level: Level = 1) -> SleepReport:
     _refuse_unknown(request, frozenset({"level"}))
     engines = _engines(request)
     for llm in engines:
         if llm.sleep_unsupported is not None:
             raise OpenAIError(400, llm.sleep_unsupported)
-    level = request.query_params.get("level", "1")
-    if level not in ("1", "2"):
-        raise OpenAIError(400, f"level must be 1 or 2, not '{level}'", param="level")
-    reports = [await llm.sleep(int(level)) for llm in engines]
-    return {
-        "is_sleeping": _sleeping(engines),
-        "level": int(level),
-        "released_bytes": sum(report.released_bytes for report in reports),
-        "seconds": round(sum(report.seconds for report in reports), 6),
-    }
+    reports = [await llm.sleep(level) for llm in engines]
+    return SleepReport(
+        is_sleeping=_sleeping(engines),
+        level=level,
+        released_bytes=sum(report.released_bytes for report in reports),
+        seconds=round(sum(report.seconds for report in reports), 6),
+    )
 
 
 def _sleeping(engines: list[AsyncLLM]) -> bool:
     return bool(engines) and all(llm.sleep_level > 0 for llm in engines)
 
 
-@router.post("/wake_up")
-async def wake_up(request: Request) -> dict[str, bool]:
+@router.post("/wake_up", responses=documented(SleepState, *INVALID, 503))
+async def wake_up(request: Request) -> SleepState:
     if "tags" in request.query_params:
         raise OpenAIError(
             400, "tags: waking a part of the model is not supported; /wake_up wakes it whole",
@@ -70,9 +86,9 @@ async def wake_up(request: Request) -> dict[str, bool]:
     engines = _engines(request)
     for llm in engines:
         await llm.wake_up()
-    return {"is_sleeping": _sleeping(engines)}
+    return SleepState(is_sleeping=_sleeping(engines))
 
 
-@router.get("/is_sleeping")
-async def is_sleeping(request: Request) -> dict[str, bool]:
-    return {"is_sleeping": _sleeping(_engines(request))}
+@router.get("/is_sleeping", responses=documented(SleepState, 503))
+async def is_sleeping(request: Request) -> SleepState:
+    return SleepState(is_sleeping=_sleeping(_engines(request)))

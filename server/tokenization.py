@@ -8,13 +8,14 @@ the response carries it, for the client to compare.
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 
 from engine.request.intake import ChatTemplateError
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.conversation import render
 from server.errors import invalid_request, user_errors
 from server.handling import Handling
+from server.openapi import INVALID, MODEL, documented
 from server.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -23,10 +24,12 @@ from server.protocol import (
 )
 from server.state import server_state
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = keyed_router()
 
 
-@router.post("/tokenize", response_model=None)
+@router.post(
+    "/tokenize", response_model=None, responses=documented(TokenizeResponse, *INVALID, *MODEL)
+)
 async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     handling = await _begin(request, body.model)
     llm = handling.llm
@@ -52,7 +55,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> Response:
     return Response(response.model_dump_json(exclude_none=True), media_type="application/json")
 
 
-@router.post("/detokenize", response_model=None)
+@router.post(
+    "/detokenize", response_model=None, responses=documented(DetokenizeResponse, *INVALID, *MODEL)
+)
 async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
     handling = await _begin(request, body.model)
     with user_errors({"tokens"}):

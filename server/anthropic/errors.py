@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException
 
 from engine.errors import EngineError
 from server.anthropic.protocol import BLOCK_TYPES, REFUSED_FIELDS
@@ -25,6 +27,7 @@ from server.errors import (
     OpenAIError,
     describe_validation_error,
     engine_failure,
+    http_error,
     request_id,
 )
 
@@ -42,6 +45,19 @@ _TYPES = {
     503: "overloaded_error",
     504: "timeout_error",
 }
+
+
+class AnthropicErrorDetail(BaseModel):
+    type: str = Field(description="invalid_request_error, not_found_error, api_error, ...")
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """Anthropic's error envelope, as `error_body` writes it."""
+
+    type: Literal["error"]
+    error: AnthropicErrorDetail
+    request_id: str
 
 
 def error_type(status: int) -> str:
@@ -92,6 +108,8 @@ class AnthropicRoute(APIRoute):
                 return error_response(describe(exc), request_id(request))
             except OpenAIError as exc:
                 return error_response(exc, request_id(request))
+            except HTTPException as exc:  # FastAPI's: a body it cannot read as JSON
+                return error_response(http_error(exc), request_id(request))
             except EngineError as exc:
                 http_id = request_id(request)
                 return error_response(engine_failure(http_id, exc), http_id)

@@ -13,37 +13,48 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Request, Response
 
 from engine.errors import EngineError
 from engine.request.intake import ChatTemplateError
 from engine.sampling.params import SamplingParams, StructuredOutputs, with_defaults
 from server.anthropic.conversation import conversation, reply_blocks, tool_use
-from server.anthropic.errors import AnthropicRoute, error_body
+from server.anthropic.errors import AnthropicErrorBody, AnthropicRoute, error_body
 from server.anthropic.events import PING, ContentBlocks, event
 from server.anthropic.protocol import (
     CountTokensRequest,
     MessageResponse,
     MessagesRequest,
+    MessageUsage,
     TokenCount,
     ToolUseOut,
-    Usage,
 )
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.conversation import OfferedTools
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
 from server.handling import Handling, final_outputs, generate, json_response, new_request_id
+from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.reasoning import ReasoningSyntax, split_reasoning
 
 if TYPE_CHECKING:
     from engine.outputs import CompletionOutput, RequestOutput
     from engine.request.intake import EngineRequest
 
-router = APIRouter(route_class=AnthropicRoute, dependencies=[Depends(require_api_key)])
+router = keyed_router(AnthropicErrorBody, AnthropicRoute)
+_STREAM = (
+    "server-sent events (stream true): message_start, the content blocks' events, "
+    "message_delta, message_stop"
+)
 _FIELDS = {*MessagesRequest.model_fields, "output_config.format"}
 
 
-@router.post("/v1/messages", response_model=None)
+@router.post(
+    "/v1/messages",
+    response_model=None,
+    responses=documented(
+        MessageResponse, *INVALID, *MODEL, *ADMITTED, stream=_STREAM, envelope=AnthropicErrorBody
+    ),
+)
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     handling = await Handling.begin(request, body.model, body.keep_alive)
     llm = handling.llm
@@ -60,7 +71,11 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
     return json_response(reply.response(await handling.run(1, reply.run)))
 
 
-@router.post("/v1/messages/count_tokens", response_model=None)
+@router.post(
+    "/v1/messages/count_tokens",
+    response_model=None,
+    responses=documented(TokenCount, *INVALID, *MODEL, envelope=AnthropicErrorBody),
+)
 async def count_tokens(body: CountTokensRequest, request: Request) -> Response:
     """The prompt tokens /v1/messages would take for this conversation and tools."""
     handling = await Handling.begin(request, body.model, body.keep_alive)
@@ -136,7 +151,7 @@ class _Reply:
             model=self.handling.model_name,
             content=[],
             stop_reason=None,
-            usage=Usage(input_tokens=len(self.prompt.prompt_token_ids), output_tokens=0),
+            usage=MessageUsage(input_tokens=len(self.prompt.prompt_token_ids), output_tokens=0),
         )
         yield event({"type": "message_start", "message": started.model_dump()})
         yield event(PING)
@@ -208,9 +223,9 @@ def _stop(completion: CompletionOutput, calls: bool) -> tuple[str, str | None]:
     return ("tool_use" if calls else "end_turn"), None
 
 
-def _usage(output: RequestOutput) -> Usage:
+def _usage(output: RequestOutput) -> MessageUsage:
     cached = output.num_cached_tokens
-    return Usage(
+    return MessageUsage(
         input_tokens=len(output.prompt_token_ids) - cached,
         output_tokens=sum(len(c.token_ids) for c in output.outputs),
         cache_read_input_tokens=cached,

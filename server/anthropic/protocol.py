@@ -283,7 +283,7 @@ class _Conversation(_Body):
 class MessagesRequest(_Conversation):
     """POST /v1/messages: `max_tokens` is required, as Anthropic's API requires it."""
 
-    max_tokens: int
+    max_tokens: int = Field(json_schema_extra={"minimum": 1})
     stop_sequences: list[str] | None = None
     stream: bool | None = False
     temperature: float | None = None
@@ -311,7 +311,7 @@ class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class Usage(_Response):
+class MessageUsage(_Response):
     """`input_tokens` are the prompt's tokens the prefix cache did not hold;
     `cache_read_input_tokens` those it held (Anthropic counts them apart)."""
 
@@ -347,7 +347,7 @@ class MessageResponse(_Response):
     content: list[TextOut | ThinkingOut | ToolUseOut]
     stop_reason: str | None
     stop_sequence: str | None = None
-    usage: Usage
+    usage: MessageUsage
 
 
 class TokenCount(_Response):

