@@ -1,7 +1,8 @@
-"""A pooling model's forward. An encoder of the BERT family runs on packed rows: the
-texts of a batch side by side, no padding, each text's attention over its own tokens only.
-A decoder (an embedder in Qwen3-Embedding's layout) runs each text alone through its own
-forward, causal as it was trained.
+"""A pooling model's forward. An encoder of the BERT family (`PACKED_TYPES`) runs on
+packed rows: the texts of a batch side by side, no padding, each text's attention over its
+own tokens only. Any other model runs each text alone through its own forward: a decoder
+(an embedder in Qwen3-Embedding's layout), causal as it was trained, and ModernBERT, whose
+layers alternate global and sliding-window attention.
 
 Invariant: a text's output has the same bits alone or in any batch. Every linear is
 packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
@@ -27,6 +28,9 @@ from transformers import (
 from engine import capabilities
 from engine.errors import ModelLoadError
 from engine.pooling.spec import PoolingSpec
+
+# The encoders whose layers `_layer` runs on packed rows (a BertLayer's shape).
+PACKED_TYPES = ("bert", "roberta", "xlm-roberta")
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class PoolingModel:
         self.dtype = dtype
         self.config = model.config
         self.base = model.base_model
+        self.packed = not spec.causal and self.config.model_type in PACKED_TYPES
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
         capabilities.pack(self.model, torch.device("cpu"), dtype)
         positions = self.config.max_position_embeddings
@@ -72,7 +77,7 @@ class PoolingModel:
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
         """Each text's last hidden states `[len, hidden]`."""
-        if self.spec.causal:  # a decoder: each text alone, through the model's own forward
+        if not self.packed:  # each text alone, through the model's own forward
             return [
                 self.base(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0]
                 for text in texts
@@ -126,6 +131,11 @@ class PoolingModel:
         if self.reranker is not None:
             return [
                 (states[-1].float() @ self.reranker)[None] for states in self.hidden_states(texts)
+            ]
+        if not self.packed:  # the model's own head, over each text alone
+            return [
+                self.model(input_ids=torch.tensor([text.token_ids])).logits[0].float()
+                for text in texts
             ]
         firsts = torch.stack([states[:1] for states in self.hidden_states(texts)])
         return list(self.model.classifier(_head_input(self.model, firsts)).float())

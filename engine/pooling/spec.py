@@ -7,7 +7,8 @@ A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers fol
 reranker where `hf_overrides` make it a `*ForSequenceClassification` with
 `classifier_from_token` (vLLM's way to serve Qwen3-Reranker).
 A plain transformers folder is a pooling model by its architecture: an encoder
-(`BertModel`, `RobertaModel`, `XLMRobertaModel`) embeds with CLS pooling, normalized, as
+(`BertModel`, `RobertaModel`, `XLMRobertaModel`, `ModernBertModel`) embeds with CLS
+pooling, normalized, as
 vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
 its classifier (a cross-encoder). Anything else the folder asks for (another pooling
 mode, a Dense module) is refused by name.
@@ -22,7 +23,7 @@ from typing import Literal
 
 from engine.errors import ModelLoadError
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # Decoders served as embedders from a sentence-transformers folder (Qwen3-Embedding's
 # layout: last-token pooling, normalized), each text run alone with causal attention.
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")

@@ -21,6 +21,9 @@ from transformers import (
     AutoTokenizer,
     BertConfig,
     BertForSequenceClassification,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
+    ModernBertModel,
 )
 
 from server.config import ServeConfig, ServedModelConfig
@@ -85,6 +88,46 @@ def decoder_embedder(
     last-token pooling, normalized."""
     folder = tmp_path_factory.mktemp("qwen3-embedding") / "model"
     shutil.copytree(tiny_model_paths["qwen3"], folder)
+    _sentence_transformers_layout(folder, "pooling_mode_lasttoken")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def modernbert(minilm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight ModernBERT in sentence-transformers' layout (mean pooling,
+    normalized) with MiniLM's tokenizer; its local layers see 8 tokens, fewer than most
+    texts hold, so the sliding window counts."""
+    folder = tmp_path_factory.mktemp("modernbert")
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm)
+    config = ModernBertConfig(
+        vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, global_attn_every_n_layers=3, local_attention=8,
+        pad_token_id=tokenizer.pad_token_id, cls_token_id=tokenizer.cls_token_id,
+        sep_token_id=tokenizer.sep_token_id, bos_token_id=tokenizer.cls_token_id,
+        eos_token_id=tokenizer.sep_token_id, architectures=["ModernBertModel"],
+    )  # fmt: skip
+    ModernBertModel(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    _sentence_transformers_layout(folder, "pooling_mode_mean_tokens")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def modernbert_cross_encoder(modernbert: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight ModernBertForSequenceClassification of one label, as `modernbert`."""
+    folder = tmp_path_factory.mktemp("modernbert-cross")
+    torch.manual_seed(1)
+    config = ModernBertConfig.from_pretrained(modernbert)
+    config.num_labels, config.architectures = 1, ["ModernBertForSequenceClassification"]
+    ModernBertForSequenceClassification(config).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(modernbert).save_pretrained(folder)
+    return folder
+
+
+def _sentence_transformers_layout(folder: Path, pooling: str) -> None:
+    """Make the transformers folder a sentence-transformers one: the model, a Pooling
+    module of `pooling`, Normalize."""
     modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
     (folder / "modules.json").write_text(json.dumps([
         {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
@@ -93,23 +136,30 @@ def decoder_embedder(
     (folder / "1_Pooling").mkdir()
     hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
     (folder / "1_Pooling" / "config.json").write_text(
-        json.dumps({"word_embedding_dimension": hidden, "pooling_mode_lasttoken": True})
+        json.dumps({"word_embedding_dimension": hidden, pooling: True})
     )
     (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 512}))
-    return folder
 
 
 @pytest.fixture(scope="module")
 def server(
-    minilm: Path, cross_encoder: Path, decoder_embedder: Path, tiny_model_paths: dict[str, Path]
+    minilm: Path,
+    cross_encoder: Path,
+    decoder_embedder: Path,
+    modernbert: Path,
+    modernbert_cross_encoder: Path,
+    tiny_model_paths: dict[str, Path],
 ) -> Iterator[str]:
-    """One server of four models: two embedders, a cross-encoder and a chat model."""
+    """One server of seven models: three embedders, two cross-encoders, a reranker and a
+    chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
         models=[
             ServedModelConfig(name="minilm", model=str(minilm)),
             ServedModelConfig(name="cross", model=str(cross_encoder)),
             ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
+            ServedModelConfig(name="modernbert", model=str(modernbert)),
+            ServedModelConfig(name="modernbert-cross", model=str(modernbert_cross_encoder)),
             ServedModelConfig(
                 name="qwen3-reranker", model=str(tiny_model_paths["qwen3"]), hf_overrides=RERANKER
             ),
@@ -176,6 +226,15 @@ def test_a_decoder_embeds_by_its_last_token_as_sentence_transformers(
     assert np.array_equal(alone[0], got[7])
 
 
+def test_modernbert_embeds_as_sentence_transformers(server: str, modernbert: Path):
+    texts = _texts(40, seed=3)
+    got = _vectors(_embed(server, texts, model="modernbert", encoding_format="base64"))
+    want = SentenceTransformer(str(modernbert), device="cpu").encode(texts)
+    assert np.abs(got - want).max() <= 1e-5
+    alone = _vectors(_embed(server, texts[5], model="modernbert", encoding_format="base64"))
+    assert np.array_equal(alone[0], got[5])
+
+
 def test_the_ranking_of_pairs_by_cosine_is_the_references(
     server: str, reference: SentenceTransformer
 ):
@@ -210,16 +269,24 @@ def test_rerank_orders_documents_as_the_reference(
     assert response.json()["usage"]["total_tokens"] > 0
 
 
+@pytest.mark.parametrize(
+    ("name", "folder", "architecture"),
+    [
+        ("cross", "cross_encoder", BertForSequenceClassification),
+        ("modernbert-cross", "modernbert_cross_encoder", ModernBertForSequenceClassification),
+    ],
+)
 def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
-    server: str, cross_encoder: Path
+    server: str, name: str, folder: str, architecture: type, request: pytest.FixtureRequest
 ):
+    cross_encoder = request.getfixturevalue(folder)
     query, documents = "a river bank", ["money in the bank", "the river flows", "a song at night"]
     response = httpx.post(
-        f"{server}/rerank", json={"model": "cross", "query": query, "documents": documents}
+        f"{server}/rerank", json={"model": name, "query": query, "documents": documents}
     )
     assert response.status_code == 200, response.text
     got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
-    model = BertForSequenceClassification.from_pretrained(cross_encoder).eval()
+    model = architecture.from_pretrained(cross_encoder).eval()
     tokens = AutoTokenizer.from_pretrained(cross_encoder)(
         [query] * 3, documents, padding=True, return_tensors="pt"
     )
@@ -228,7 +295,7 @@ def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
     assert np.allclose([got[i] for i in range(3)], want, atol=1e-5)
     order = [r["index"] for r in response.json()["results"]]
     assert order == sorted(range(3), key=lambda i: -want[i])
-    refused = _embed(server, "a text", model="cross")
+    refused = _embed(server, "a text", model=name)
     assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
 
 
