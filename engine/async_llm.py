@@ -49,12 +49,9 @@ T = TypeVar("T")
 
 # The intake thread's nice value. A busy intake at normal priority slows the engine beyond
 # its share of the CPU (each OpenMP region of a step waits for the worker it took the core
-# from); at the lowest it waits for idle CPU, which a busy engine rarely leaves. Measured
-# by `python -m bench.intake` on 2 cores, 8 streams, a 100k-character prompt (intake
-# time; longest overlapping step against the median): SmolLM2-135M in fp32 (83 ms steps)
-# nice 0: 0.06-0.11 s, 123-139 ms; nice 10: 0.37-0.54 s, 94-118 ms; nice 19: 2.3-3.3 s,
-# 89-109 ms. A tiny model (2.2 ms steps): 0.09-0.13 s, 12-66 ms; 0.57-0.75 s, 7-18 ms;
-# 2.1-2.2 s, 7-9 ms.
+# from); at the lowest it waits for idle CPU, which a busy engine rarely leaves. 10 keeps
+# the engine's steps near their length and the intake's time under a second
+# (`python -m bench.intake`; docs/benchmarks.md has the figures).
 INTAKE_NICE = 10
 
 

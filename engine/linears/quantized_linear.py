@@ -61,9 +61,9 @@ SCHEME_NAMES = {
     group_linear.SUPER_SIGNED: "super-signed",
 }
 # Largest row count that runs the kernel where it is the scalar twin (neither AVX512-VNNI nor
-# AVX2), by the model's dtype: not measured for the twin (the fp32 thresholds of an earlier
-# kernel that computed in fp32, on a 2-core AVX2 CPU); with VNNI or AVX2 the kernel runs at
-# every row count.
+# AVX2), by the model's dtype; more rows dequantize and run the dense linear. Unmeasured for
+# the twin, which no CPU of this project has. With VNNI or AVX2 the kernel runs at every
+# row count.
 KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 VECTOR_INSTRUCTIONS = ("avx512-vnni", "avx2")
 

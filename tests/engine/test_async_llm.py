@@ -74,14 +74,18 @@ def test_leaving_a_stream_early_aborts_and_frees_blocks(llm: AsyncLLM):
 
     async def run():
         seen = 0
+        before = llm.stats().generation_tokens_total
         request = await llm.process("long " * 50, params)
         async for _ in llm.generate(request, "early-exit"):
             seen += 1
             if seen == 3:
                 break
         await wait_for_idle(llm)
+        return llm.stats().generation_tokens_total - before
 
-    asyncio.run(run())
+    # Aborted, the request stopped within a few steps of the client's leaving: far from the
+    # 400 tokens it would have run to (which the tiny model makes within the idle wait).
+    assert asyncio.run(run()) < 50
 
 
 def test_a_failed_step_fails_its_requests_and_the_engine_goes_on(

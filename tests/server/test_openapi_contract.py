@@ -53,7 +53,7 @@ def schemathesis(url: str, model: str, folder: Path, *selection: str) -> str:
         "--generation-database", "none", "--request-timeout", "60", "--no-color", *selection,
     ]  # fmt: skip
     result = subprocess.run(
-        command, cwd=folder, env=env, capture_output=True, text=True, timeout=900, check=False
+        command, cwd=folder, env=env, capture_output=True, text=True, timeout=300, check=False
     )
     report = result.stdout + result.stderr
     if result.returncode != 0:
