@@ -6,7 +6,6 @@ full queues drop whole batches, and bind errors fail at construction."""
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -20,17 +19,12 @@ from cache.events import AllBlocksCleared, BlockRemoved, BlockStored
 from engine.kv_events import zmq_publisher
 from engine.kv_events.zmq_publisher import ZmqEventPublisher
 from engine.kv_events_config import KVEventsConfig
+from tests.support.kv_events import free_endpoint
 
 END = b"\xff" * 8
 MAX_HASH = 2**64 - 1
 PROBE = [AllBlocksCleared("GPU")]
 Publish = Callable[..., tuple[ZmqEventPublisher, str, str]]
-
-
-def free_endpoint() -> str:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return f"tcp://127.0.0.1:{probe.getsockname()[1]}"
 
 
 @pytest.fixture

@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
+from peft import PeftModel
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
 from tests.engine.test_greedy_equivalence import random_prompts, reference_greedy
+from tests.support.adapters import save_adapter
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
@@ -33,25 +34,6 @@ SETTINGS = dict(
     kv_cache_memory="128MiB", max_loras=4, max_lora_rank=16,
 )  # fmt: skip
 MAX_TOKENS = 10
-
-
-def save_adapter(
-    model: torch.nn.Module, folder: Path, rank: int, targets: list, seed: int, scale: float = 0.05
-) -> Path:
-    """A random-weight adapter from peft (B not zero, as trained ones are not), B scaled
-    by `scale`: at full size a random B drowns a real model's own output."""
-    torch.manual_seed(seed)
-    config = LoraConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=targets, init_lora_weights=False
-    )
-    peft_model = get_peft_model(model, config)
-    with torch.no_grad():
-        for name, parameter in peft_model.named_parameters():
-            if "lora_B" in name:
-                parameter.mul_(scale)
-    peft_model.save_pretrained(folder)
-    peft_model.unload()  # the base model's modules back, without the adapter
-    return folder
 
 
 @pytest.fixture(scope="module")

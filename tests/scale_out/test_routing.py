@@ -22,7 +22,7 @@ from scale_out.policy import preferred_replicas
 from scale_out.prefix_index import PrefixIndex
 from scale_out.prompt_hashes import PromptHasher
 from server.capabilities import tool_calling
-from tests.server.test_reasoning import QWEN3_TEMPLATE
+from tests.server.conftest import QWEN3_TEMPLATE
 
 BLOCK = 4
 

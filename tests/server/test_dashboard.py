@@ -27,12 +27,10 @@ from engine.errors import EngineError
 from engine.snapshot import EngineStats
 from server.dashboard.history import StatsHistory
 from server.metrics import ServerMetrics
-from tests.server.conftest import live_server, tiny_config
-from tests.server.test_vllm_metrics import scrape
+from tests.server.conftest import live_server, scrape, slow_engine, tiny_config
 
 API_KEY = "dashboard-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
-STEP_DELAY = 0.025
 MAX_NUM_SEQS = 4
 # One prompt for every stream, 64 tokens: 3 full blocks that the streams share, and 1.
 PROMPT = "Paged attention keeps keys and values in fixed-size blocks of memory. " * 2
@@ -49,20 +47,6 @@ CHROMIUM_ARGS = [
 ]
 SCREENSHOT = Path("/tmp/dashboard.png")
 STATUSES = ("running", "waiting")
-
-
-def slow_engine(config: EngineConfig) -> AsyncLLM:
-    """A real AsyncLLM whose every step starts with a STEP_DELAY sleep."""
-    llm = AsyncLLM.from_config(config)
-    step = llm.engine.step
-
-    def slow_step() -> Any:
-        time.sleep(STEP_DELAY)
-        return step()
-
-    # The engine thread is idle on its command queue until the first request arrives.
-    llm.engine.step = slow_step  # type: ignore[method-assign]
-    return llm
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,11 @@ import time
 
 import httpx
 
-from tests.server.conftest import BOTH_STEP_ORDERS, engine_metrics
+from tests.server.conftest import (
+    BOTH_STEP_ORDERS,
+    engine_metrics,
+    wait_until_idle,
+)
 
 pytestmark = BOTH_STEP_ORDERS
 
@@ -17,27 +21,6 @@ CHAT = {
     "max_tokens": 450,
     "ignore_eos": True,
 }
-
-
-def wait_until_idle(url: str, timeout: float = 5.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    while True:
-        metrics = engine_metrics(url)
-        idle = (
-            metrics["pagedserve_num_requests_running"] == 0
-            and metrics["pagedserve_num_requests_waiting"] == 0
-            and metrics["pagedserve_kv_cache_used_blocks"] == 0
-        )
-        if idle or time.monotonic() > deadline:
-            return metrics
-        time.sleep(0.05)
-
-
-def wait_until_running(url: str, count: int) -> None:
-    deadline = time.monotonic() + 10
-    while engine_metrics(url)["pagedserve_num_requests_running"] < count:
-        assert time.monotonic() < deadline, "the requests never started"
-        time.sleep(0.02)
 
 
 def test_streams_closed_mid_way_free_everything(tiny_server: str) -> None:

@@ -17,8 +17,8 @@ import pytest
 import zmq
 
 from cache import hash_block
-from tests.engine.test_kv_events_publisher import free_endpoint
 from tests.server.conftest import live_server, tiny_config
+from tests.support.kv_events import free_endpoint, receive
 
 BLOCK = 16
 END = (-1).to_bytes(8, "big", signed=True)
@@ -38,18 +38,6 @@ def events_server(
     )  # fmt: skip
     with live_server(config) as url:
         yield url, endpoint, replay
-
-
-def receive(sub: zmq.Socket, quiet: float = 1.0) -> list[tuple[int, list[Any]]]:
-    """Every batch until none arrives for `quiet` seconds: (sequence number, events)."""
-    batches = []
-    while sub.poll(int(quiet * 1000)):
-        topic, seq, payload = sub.recv_multipart()
-        assert topic == b"kv"
-        ts, events = msgpack.unpackb(payload)
-        assert isinstance(ts, float)
-        batches.append((int.from_bytes(seq, "big"), events))
-    return batches
 
 
 def complete(url: str, tokens: list[int]) -> None:

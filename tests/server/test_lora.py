@@ -18,10 +18,9 @@ import torch
 import zmq
 from transformers import AutoModelForCausalLM
 
-from tests.engine.test_kv_events_publisher import free_endpoint
-from tests.engine.test_lora import save_adapter
 from tests.server.conftest import live_server, tiny_config
-from tests.server.test_kv_events_server import receive
+from tests.support.adapters import save_adapter
+from tests.support.kv_events import free_endpoint, receive
 
 PROMPTS = ["The river towns of the north", "A list of fruit: apple,", "Once upon a time"]
 

@@ -17,9 +17,8 @@ import psutil
 import pytest
 
 from server.config import ServeConfig
-from tests.server.conftest import live_server, tiny_config
+from tests.server.conftest import live_server, scrape, tiny_config
 from tests.server.serve_process import serve_process
-from tests.server.test_vllm_metrics import scrape
 from tests.tiny_models import build_model
 
 PROMPTS = [

@@ -24,8 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from cache import bytes_per_block
 from server.config import ServeConfig
-from tests.server.conftest import client, live_server, tiny_config
-from tests.server.test_dashboard import slow_engine
+from tests.server.conftest import client, live_server, slow_engine, tiny_config
 
 BATCH = 64
 PROMPT_TOKENS = 80

@@ -11,8 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.server.conftest import client, live_server, tiny_config
-from tests.server.test_vllm_metrics import scrape
+from tests.server.conftest import client, live_server, scrape, tiny_config
 
 # As the command line and the environment give it: JSON text.
 SPECULATIVE = json.dumps(

@@ -10,7 +10,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from server.app import build_app
-from tests.server.conftest import client, tiny_config
+from tests.server.conftest import Labels, client, scrape, tiny_config
 
 DASHBOARD = Path(__file__).parents[2] / "deploy" / "grafana" / "pagedserve.json"
 
@@ -32,17 +32,7 @@ HISTOGRAMS = {
     "vllm:e2e_request_latency_seconds": "pagedserve_e2e_request_latency_seconds",
     "vllm:request_time_per_output_token_seconds": "pagedserve_time_per_output_token_seconds",
 }
-Labels = tuple[tuple[str, str], ...]
 MODEL: Labels = (("model_name", "tiny"),)  # the tiny server's served name
-
-
-def scrape(url: str) -> dict[str, dict[Labels, float]]:
-    """/metrics as sample name -> {sorted labels: value}."""
-    samples: dict[str, dict[Labels, float]] = {}
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            samples.setdefault(sample.name, {})[tuple(sorted(sample.labels.items()))] = sample.value
-    return samples
 
 
 def types(url: str) -> dict[str, str]:
