@@ -11,11 +11,10 @@ from engine import LLM, SamplingParams
 from engine.model.runner import ModelRunner
 from engine.model.step_inputs import BlockTables
 from scheduler import ScheduledSequence, SchedulerOutput, Sequence
-from tests.engine.test_greedy_equivalence import (  # references: a fixture used here
+from tests.support.greedy import (
     MAX_TOKENS,
     TINY_BLOCK_BYTES,
     engine_greedy,
-    references,  # noqa: F401
 )
 
 
@@ -91,7 +90,7 @@ def test_engine_tables_match_the_block_manager_every_step(tiny_model_paths: dict
 
 def test_an_engine_on_a_mirror_of_the_block_tables_matches_generate(
     tiny_model_paths,
-    references,  # noqa: F811
+    references,
 ):
     """The runner path of a GPU, whose block tables follow the host's by changed entries,
     run on the CPU: the same greedy tokens as `generate()`, through preemption."""

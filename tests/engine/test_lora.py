@@ -15,8 +15,8 @@ from peft import PeftModel
 
 from engine import LLM, SamplingParams
 from engine.errors import AdapterError
-from tests.engine.test_greedy_equivalence import random_prompts, reference_greedy
 from tests.support.adapters import save_adapter
+from tests.support.greedy import random_prompts, reference_greedy
 from tests.tiny_models import build_model
 
 pytestmark = pytest.mark.slow

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from engine import LLM, SamplingParams
-from tests.engine.test_greedy_equivalence import random_prompts
+from tests.support.greedy import random_prompts
 
 TOP = 3
 SETTINGS = {

@@ -19,7 +19,7 @@ from engine import LLM, SamplingParams
 from engine.grammar.grammar import apply_token_bitmask
 from engine.sampling.params import StructuredOutputs
 from engine.sampling.sampler import Sampler, SamplingRow
-from tests.engine.test_greedy_equivalence import TINY_BLOCK_BYTES
+from tests.support.greedy import TINY_BLOCK_BYTES
 
 ITEMS = {
     "type": "object",

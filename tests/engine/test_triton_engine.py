@@ -13,7 +13,7 @@ from engine import LLM, SamplingParams
 from engine.compiled.decode_graphs import decode_buckets
 from engine.config import ConfigError
 from engine.model.attention_backend import choose_backend
-from tests.engine.test_greedy_equivalence import (
+from tests.support.greedy import (
     MAX_TOKENS,
     TINY_BLOCK_BYTES,
     engine_greedy,
