@@ -18,6 +18,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -26,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.errors import EngineError
+from server.openapi import ErrorBody, ErrorDetail
 from server.protocol import FIELD_ERROR, UNSUPPORTED_FIELDS, undeclared_field_reason
 from server.responses_protocol import INPUT_ITEM_TYPES
 
@@ -90,15 +92,10 @@ def user_errors(fields: set[str], aliases: dict[str, str] | None = None) -> Iter
         raise invalid_request(message, name if name in fields else None) from exc
 
 
-def error_body(error: OpenAIError) -> dict[str, dict[str, str | None]]:
-    return {
-        "error": {
-            "message": error.message,
-            "type": error.type,
-            "param": error.param,
-            "code": error.code,
-        }
-    }
+def error_body(error: OpenAIError) -> dict[str, Any]:
+    """OpenAI's envelope of `error`, as /openapi.json declares it (`ErrorBody`)."""
+    detail = ErrorDetail(message=error.message, type=error.type, param=error.param, code=error.code)
+    return ErrorBody(error=detail).model_dump()
 
 
 def error_response(error: OpenAIError) -> JSONResponse:

@@ -65,12 +65,10 @@ def error_type(status: int) -> str:
 
 
 def error_body(error: OpenAIError, http_id: str) -> dict[str, Any]:
-    """Anthropic's envelope of `error` (also an `error` event's data, in a stream)."""
-    return {
-        "type": "error",
-        "error": {"type": error_type(error.status), "message": error.message},
-        "request_id": http_id,
-    }
+    """Anthropic's envelope of `error` (also an `error` event's data, in a stream), as
+    /openapi.json declares it."""
+    detail = AnthropicErrorDetail(type=error_type(error.status), message=error.message)
+    return AnthropicErrorBody(type="error", error=detail, request_id=http_id).model_dump()
 
 
 def error_response(error: OpenAIError, http_id: str) -> JSONResponse:
