@@ -4,7 +4,7 @@
 this process, sends one streaming chat completion with logprobs after a warm-up request,
 and prints every project file in which a Python function was called during it, on any
 thread (event loop, intake, engine), except calls made by the dashboard's once-a-second
-sampler, which runs beside requests, not for them. It measures how many rooms one request
+sampler, which runs beside requests, not for them. It measures how many files one request
 passes through; a profiler hook on every thread makes the server slow meanwhile, so it
 times nothing.
 """

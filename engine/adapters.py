@@ -1,4 +1,4 @@
-"""What the engine's core asks of the LoRA room (engine/lora/, reached through
+"""What the engine's core asks of the LoRA component (engine/lora/, reached through
 `engine.capabilities.lora_adapters`): the adapters one model serves, by name.
 
 Reading an adapter (`read`) may run on any thread; the rest runs on the engine's thread,

@@ -1,4 +1,4 @@
-"""The one door from the engine's core to its optional rooms, each imported only when a
+"""The one entry point from the engine's core to its optional components, each imported only when a
 setting asks for it:
 
 - `engine.compiled`: the compiled forward (CPU) and the decode graphs (CUDA), chosen by
@@ -15,10 +15,10 @@ setting asks for it:
 - `engine.lora`: LoRA adapters on the model's projections, chosen by `enable_lora` or
   `lora_modules` (`lora_adapters`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
-  door: the backend registry, `engine.model.attention_backend`.
+  entry point: the backend registry, `engine.model.attention_backend`.
 
 The functions return objects of interfaces the core defines (`StepExecutor`,
-`ConstraintCompiler`) or do the room's work once at load (the linears). A room that
+`ConstraintCompiler`) or do the component's work once at load (the linears). A component that
 cannot be imported (its folder removed, a dependency not installed) leaves the core
 importable and serving: what needs it fails with one line that names the setting, or,
 where nothing asked for it explicitly, goes without it and says so.
@@ -53,14 +53,14 @@ logger = logging.getLogger(__name__)
 StepPath = Literal["eager", "compiled", "graphs"]
 
 
-def missing(room: str, exc: ImportError) -> str:
-    """The reason a room cannot serve: its import failed."""
-    return f"{room} cannot be imported here ({exc})"
+def missing(component: str, exc: ImportError) -> str:
+    """The reason a component cannot serve: its import failed."""
+    return f"{component} cannot be imported here ({exc})"
 
 
 def step_executor(path: StepPath, max_num_seqs: int) -> Callable[[EagerSteps], StepExecutor]:
     """What makes the runner's executor from its eager path: the compiled forward, the
-    decode graphs, or the eager path itself. A missing room raises `ConfigError` naming
+    decode graphs, or the eager path itself. A missing component raises `ConfigError` naming
     `enforce_eager`, the setting that chose the path."""
     try:
         if path == "compiled":
@@ -77,7 +77,7 @@ def step_executor(path: StepPath, max_num_seqs: int) -> Callable[[EagerSteps], S
 
 
 def compiled_unavailable() -> str | None:
-    """Why the compiled forward's room cannot serve here, or None when it can."""
+    """Why the compiled forward's component cannot serve here, or None when it can."""
     try:
         import engine.compiled.compiled_forward  # noqa: F401
     except ImportError as exc:
@@ -86,7 +86,7 @@ def compiled_unavailable() -> str | None:
 
 
 def decode_graphs_unavailable() -> str | None:
-    """Why the decode graphs' room cannot serve here, or None when it can."""
+    """Why the decode graphs' component cannot serve here, or None when it can."""
     try:
         import engine.compiled.decode_graphs  # noqa: F401
     except ImportError as exc:
@@ -122,7 +122,7 @@ def gguf_install(dtype: torch.dtype) -> Install:
 
 def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> None:
     """Pack the model's remaining `nn.Linear`s where packing runs (the CPU); without the
-    linears room they stay as they are (the same results, slower), with a warning."""
+    linears component they stay as they are (the same results, slower), with a warning."""
     try:
         from engine.linears.packed_linear import can_pack, pack_linear_layers
     except ImportError as exc:
@@ -148,7 +148,7 @@ def lora_adapters(model: PreTrainedModel, device: torch.device, config: EngineCo
 def grammar_compiler(
     tokenizer: PreTrainedTokenizerBase, vocab_size: int, eos_token_ids: Iterable[int]
 ) -> ConstraintCompiler | None:
-    """The grammar room's compiler for this model, or None (with a warning) where the room
+    """The grammar component's compiler for this model, or None (with a warning) where the component
     cannot be imported: requests with `structured_outputs` or tools are then refused."""
     try:
         from engine.grammar.grammar import GrammarCompiler
@@ -165,7 +165,7 @@ def kv_tier(
 ) -> KVTier:  # fmt: skip
     """The disk tier of `capacity` bytes under `root`, in the folder of this model's files
     and `settings` (what changes a block's bits). Fails with one line naming
-    `kv_disk_size` where the room cannot be imported or the folder cannot be used."""
+    `kv_disk_size` where the component cannot be imported or the folder cannot be used."""
     try:
         from engine.kv_tiers.disk_tier import DiskTier, tier_key
     except ImportError as exc:

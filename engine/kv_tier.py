@@ -1,5 +1,5 @@
 """What the engine asks of a KV tier below its KV tensor (the disk tier; host RAM beside
-a GPU): the room `engine.kv_tiers` implements it, `engine.capabilities.kv_tier` makes one.
+a GPU): the component `engine.kv_tiers` implements it, `engine.capabilities.kv_tier` makes one.
 
 A tier holds copies of full prefix blocks under their chained hashes. The engine hands it
 every block the prefix cache registers once that block's KV is written (`store`), starts

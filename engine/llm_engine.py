@@ -316,7 +316,7 @@ class LLMEngine:
         return True
 
     def _adapters(self, config: EngineConfig) -> Adapters | None:
-        """The LoRA room's adapters over the model's projections, with `lora_modules`
+        """The LoRA component's adapters over the model's projections, with `lora_modules`
         loaded (an AdapterError names a bad one); None without LoRA."""
         if not config.lora_enabled:
             return None

@@ -56,7 +56,7 @@ class Ingress:
             processor = RequestProcessor(
                 rendering.tokenizer, rendering.vocab_size, rendering.max_model_len
             )
-            # The tools room is imported by the first chat that needs it, once.
+            # The tools component is imported by the first chat that needs it, once.
             calling = cache(
                 partial(tool_calling, config.tool_call_parser, rendering.tokenizer.chat_template)
             )

@@ -26,8 +26,8 @@ CHAT_COMPLETIONS = "/v1/chat/completions"
 class PromptHasher:
     """Maps a request body to its prompt, rendered and hashed. Not thread-safe (it owns the
     processor's tokenizer): the ingress calls it from one worker thread. `tool_calling`
-    gives the tools room's `ToolCalling`, called only for a chat that offers tools or holds
-    earlier calls; where it gives None (the room cannot be imported) such a chat has no
+    gives the tools component's `ToolCalling`, called only for a chat that offers tools or holds
+    earlier calls; where it gives None (the component cannot be imported) such a chat has no
     prompt here, and the replica refuses it."""
 
     def __init__(

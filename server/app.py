@@ -4,12 +4,12 @@ and the engines' lifetime.
 A single model's engine loads in a background task started by the lifespan, so the
 server answers (with 503s, /health included) while it loads for seconds or minutes; a
 server of several models loads each on demand (server/model_pool.py). The lifespan's exit
-shuts every engine down. The tasks rooms registered in the state's `background` (the
-dashboard's history) run beside it. If a single model's engine loop dies, every request
-in flight has been failed (a 500, or an error event on a stream), /health and new
-requests answer 503, and `on_engine_death` hears of it (`pagedserve serve` then exits, so
-a supervisor restarts it). The store of /v1/responses opens before the server answers (a
-failure to open it stops start-up) and closes last.
+shuts every engine down. The tasks that optional components registered in the state's
+`background` (the dashboard's history) run beside it. If a single model's engine loop
+dies, every request in flight has been failed (a 500, or an error event on a stream),
+/health and new requests answer 503, and `on_engine_death` hears of it (`pagedserve
+serve` then exits, so a supervisor restarts it). The store of /v1/responses opens before
+the server answers (a failure to open it stops start-up) and closes last.
 """
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def build_app(
     single model's server loads it at start-up; `on_load_error` hears of a failure to
     build it and `on_engine_death` of its loop dying (on the event loop, after the
     requests in flight were failed)."""
-    state = ServerState(config, llm_factory=llm_factory, tool_room=capabilities.tool_calling)
+    state = ServerState(
+        config, llm_factory=llm_factory, tool_calling_factory=capabilities.tool_calling
+    )
     models = state.models
     models.on_load_error, models.on_engine_death = on_load_error, on_engine_death
 

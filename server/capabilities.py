@@ -1,11 +1,11 @@
-"""The one door from the server's core to its optional rooms, each imported only when it
+"""The one entry point from the server's core to its optional components, each imported only when it
 is used:
 
 - the dashboard (`server.dashboard`), installed on the app at start-up;
 - tool calling (`server.tools`), a `ToolCalling` (server/conversation.py) made the first
   time a request offers tools or holds earlier calls.
 
-A room that cannot be imported (its folder removed, a dependency not installed) leaves
+A component that cannot be imported (its folder removed, a dependency not installed) leaves
 the core importable and serving: the app goes without the dashboard and says so; a
 request that needs tool calling is refused with a 400 naming `tools` (server/conversation.py).
 """
@@ -38,7 +38,7 @@ def tool_calling(
     setting: str, chat_template: str | None, special: SpecialTokens | None = None
 ) -> ToolCalling | None:
     """How the model writes tool calls under `tool_call_parser` `setting`, or None (with
-    a warning) where the tools room cannot be imported. `special`: the model's special
+    a warning) where the tools component cannot be imported. `special`: the model's special
     tokens (`AsyncLLM.special_tokens`), where known."""
     try:
         from server.tools.chat_tools import ToolSyntax

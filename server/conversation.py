@@ -4,14 +4,14 @@ what the scale-out ingress renders to predict their prompts; and tool calling as
 sees it.
 
 A conversation of plain messages (no tools offered, no earlier calls or their results)
-is rendered here, and the tools room (`server/tools/`) is not imported. The core knows
+is rendered here, and the tools component (`server/tools/`) is not imported. The core knows
 what a request asks (`ToolRequest`: its functions, which of them a reply must call,
 whether several calls are allowed) and what comes back (`ResponseToolCall`s). How the
 served model writes calls, how tools are rendered into its prompt, the grammar that holds
-a call to its schema and the parsing of calls out of its text are the room's, behind its
-door (`server.capabilities.tool_calling`) and the interfaces below: `ToolCalling` for the
+a call to its schema and the parsing of calls out of its text are the component's, behind its
+entry point (`server.capabilities.tool_calling`) and the interfaces below: `ToolCalling` for the
 server, `OfferedTools` for one request, `CallStream` for one streamed reply. A request
-that needs the room where it cannot be imported is refused with a ValueError that names
+that needs the component where it cannot be imported is refused with a ValueError that names
 `tools` (or `messages`, for earlier calls), which `user_errors` turns into a 400.
 """
 
@@ -55,7 +55,7 @@ def render(
     tool_calling: Callable[[], ToolCalling | None],
 ) -> Conversation:
     """The conversation of `messages` offering `request`'s tools. `tool_calling` (the
-    room's, or None where it cannot be imported) is called only when tools are offered or
+    component's, or None where it cannot be imported) is called only when tools are offered or
     the messages hold earlier calls; ValueError when it is then None."""
     if request is None and not has_tool_turns(messages):
         return Conversation([plain_message(m) for m in messages], None, variables, None)
@@ -120,7 +120,7 @@ class ToolRequest:
 
 def has_tool_turns(messages: Iterable[ChatMessage]) -> bool:
     """Whether a conversation holds earlier tool calls or their results, which only the
-    tools room can render for every chat template."""
+    tools component can render for every chat template."""
     return any(m.tool_calls or m.role == "tool" for m in messages)
 
 

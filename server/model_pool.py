@@ -53,12 +53,12 @@ if TYPE_CHECKING:
     from server.config import ServeConfig
     from server.conversation import ToolCalling
 
-# The tools room's door (`server.capabilities.tool_calling`): the `tool_call_parser`
-# setting, the chat template and the special tokens in; None where the room is missing.
-ToolRoom = Callable[[str, "str | None", "SpecialTokens"], "ToolCalling | None"]
-# The tools room's door with the `tool_call_parser` setting given: a chat template and
-# special tokens in; None where the room is missing.
-ModelToolRoom = Callable[["str | None", "SpecialTokens"], "ToolCalling | None"]
+# The tools component's entry point (`server.capabilities.tool_calling`): the `tool_call_parser`
+# setting, the chat template and the special tokens in; None where the component is missing.
+ToolCallingFactory = Callable[[str, "str | None", "SpecialTokens"], "ToolCalling | None"]
+# The tools component's entry point with the `tool_call_parser` setting given: a chat template and
+# special tokens in; None where the component is missing.
+ModelToolCalling = Callable[["str | None", "SpecialTokens"], "ToolCalling | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class ServedModel:
     root: str
     config: EngineConfig
     keep_alive: float
-    tool_room: ModelToolRoom = field(repr=False)
+    tool_calling_factory: ModelToolCalling = field(repr=False)
     # Its engine once loaded: a pooling model's serves the pooling endpoints only.
     llm: AsyncLLM | AsyncPooler | None = None
     load_error: BaseException | None = None
@@ -146,10 +146,10 @@ class ServedModel:
 
     def tool_calling(self) -> ToolCalling | None:
         """How the model writes tool calls (the `tool_call_parser` setting), from the tools
-        room, asked the first time a request needs it; None without it."""
+        component, asked the first time a request needs it; None without it."""
         llm = self.generator("tools")
         if self._tool_calling is None:
-            calling = self.tool_room(llm.chat_template, llm.special_tokens)
+            calling = self.tool_calling_factory(llm.chat_template, llm.special_tokens)
             self._tool_calling = (calling,)
         return self._tool_calling[0]
 
@@ -172,7 +172,9 @@ class ServedModel:
 class ModelPool:
     """The server's models by name, and the loads and unloads between their states."""
 
-    def __init__(self, config: ServeConfig, llm_factory: LLMFactory, tool_room: ToolRoom) -> None:
+    def __init__(
+        self, config: ServeConfig, llm_factory: LLMFactory, tool_calling_factory: ToolCallingFactory
+    ) -> None:
         self.single = config.models is None
         self.autoload = config.autoload
         self.max_loaded = config.max_loaded_models
@@ -182,7 +184,7 @@ class ModelPool:
         self.on_load_error: Callable[[BaseException], None] | None = None
         self.on_engine_death: Callable[[BaseException], None] | None = None
         self.models: dict[str, ServedModel] = {}
-        model_tool_room = functools.partial(tool_room, config.tool_call_parser)
+        model_tool_calling = functools.partial(tool_calling_factory, config.tool_call_parser)
         entries = [None] if config.models is None else config.models
         for entry in entries:
             engine_config = config.engine_config(entry)
@@ -194,7 +196,7 @@ class ModelPool:
             if entry is not None and entry.keep_alive is not None:
                 keep_alive = entry.keep_alive
             self.models[name] = ServedModel(
-                name, root, engine_config, keep_alive, model_tool_room,
+                name, root, engine_config, keep_alive, model_tool_calling,
                 adapters=dict(engine_config.lora_modules),
             )  # fmt: skip
 

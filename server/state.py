@@ -1,5 +1,5 @@
 """What the request handlers of one app share: settings, metrics, the models and their
-engines, and the tasks that the app's rooms run beside it."""
+engines, and the tasks that the app's components run beside it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from fastapi import Request
 from server.admission import Admission, max_queued
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
-from server.model_pool import LLMFactory, ModelPool, ToolRoom
+from server.model_pool import LLMFactory, ModelPool, ToolCallingFactory
 from server.response_store import ResponseStore
 
 if TYPE_CHECKING:
@@ -27,19 +27,19 @@ class ServerState:
 
     config: ServeConfig
     llm_factory: LLMFactory = field(kw_only=True, repr=False)
-    tool_room: ToolRoom = field(kw_only=True, repr=False)
+    tool_calling_factory: ToolCallingFactory = field(kw_only=True, repr=False)
     started_at: int = field(default_factory=lambda: int(time.time()))
     models: ModelPool = field(init=False)
     metrics: ServerMetrics = field(init=False)
     admission: Admission = field(init=False)
-    # Run by the app's lifespan from start-up to shutdown, cancelled then (a room's own
+    # Run by the app's lifespan from start-up to shutdown, cancelled then (a component's own
     # loops, such as the dashboard's history); registered before the app starts.
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     api_keys: tuple[bytes, ...] = field(init=False, repr=False)
     responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
-        self.models = ModelPool(self.config, self.llm_factory, self.tool_room)
+        self.models = ModelPool(self.config, self.llm_factory, self.tool_calling_factory)
         self.metrics = ServerMetrics(self.engine_stats, self.engine_sequences_by_priority)
         self.admission = Admission(
             max_queued(self.config),

@@ -1,5 +1,5 @@
-"""A copy of the project's core packages with some rooms removed, and a script run against
-only that copy: how the tests show that an optional room is optional."""
+"""A copy of the project's core packages with some components removed, and a script run against
+only that copy: how the tests show that an optional component is optional."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ ROOT = Path(__file__).parents[1]
 
 # An editable install of the project (`pip install -e .`, as `make setup` does) finds a
 # top-level package's direct children in the checkout when the copy lacks them, so a
-# script drops its finder first: a removed room must stay removed.
+# script drops its finder first: a removed component must stay removed.
 NO_EDITABLE_FINDER = """import sys
 sys.meta_path[:] = [f for f in sys.meta_path if "_Editable" not in getattr(f, "__name__", "")]
 """
@@ -26,8 +26,8 @@ def copy_core(target: Path, packages: Iterable[str], removed: Iterable[str]) -> 
     files, relative to the project's root)."""
     for package in packages:
         shutil.copytree(ROOT / package, target / package, ignore=shutil.ignore_patterns("*.pyc"))
-    for room in removed:
-        path = target / room
+    for component in removed:
+        path = target / component
         shutil.rmtree(path) if path.is_dir() else path.unlink()
     return target
 

@@ -1,2 +1,2 @@
 """Compiled and captured step paths: the Inductor-compiled forward (CPU) and the CUDA
-decode graphs (an optional room: the core reaches it only through `engine.capabilities`)."""
+decode graphs (an optional component: the core reaches it only through `engine.capabilities`)."""

@@ -1,2 +1,2 @@
-"""Structured outputs through llguidance (an optional room: the core reaches it only
+"""Structured outputs through llguidance (an optional component: the core reaches it only
 through `engine.capabilities`)."""

@@ -1,1 +1,1 @@
-"""KV-cache events for external routers over ZMQ, in vLLM's wire format (an optional room)."""
+"""KV-cache events for external routers over ZMQ, in vLLM's wire format (an optional component)."""

@@ -1,1 +1,2 @@
-"""LoRA adapters served beside their base model (room: engine.capabilities reaches it)."""
+"""LoRA adapters served beside their base model (an optional component: engine.capabilities
+reaches it)."""

@@ -5,7 +5,7 @@ its sequence's blocks; `engine.model.attention` does what every backend shares (
 layer's features, the softmax scale, one head size for Q, K and V) and calls the backend
 the engine bound at start-up, once, for the model's device, dtype and KV head size.
 
-The backends live in rooms of their own and are imported only here, lazily, by name:
+The backends live in components of their own and are imported only here, lazily, by name:
 - `cpp` (`kernels.paged_attention`): the C++ kernel, on the CPU; its store and attention
   are registered ops, so it also runs inside the compiled forward.
 - `triton` (`kernels.triton_attention`): the Triton kernels, on CUDA (on the CPU only
@@ -14,9 +14,9 @@ The backends live in rooms of their own and are imported only here, lazily, by n
 - `torch` (`torch_attention`): plain torch, on any device: blockwise and row-invariant on
   the CPU, gathered (fast, batch-dependent bits) elsewhere.
 
-A room whose module cannot be imported (its files removed, Triton not installed) is a
+A component whose module cannot be imported (its files removed, Triton not installed) is a
 backend that is unavailable, with that import error as its reason; the rest of the engine
-never imports a room itself. `auto` takes the first available backend of `AUTO_ORDER` for
+never imports a component itself. `auto` takes the first available backend of `AUTO_ORDER` for
 the device and logs why it passed over the ones before it.
 """
 

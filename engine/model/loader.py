@@ -6,7 +6,7 @@ package), a local Hugging Face folder, a `.gguf` file, or a hub id.
 A GGUF is read in place (`engine/model/gguf.py`): its config and tokenizer from the
 metadata, saved once into a folder under `$PAGEDSERVE_CACHE/gguf`; the model is built on the
 meta device, with no weight allocated, and each tensor goes in on its own: through `install`
-(the engine passes the linears' room, which keeps the file's GGML types for the quantized
+(the engine passes the linears' component, which keeps the file's GGML types for the quantized
 kernel, `engine/linears/gguf_store.py`), or dequantized to the model's dtype, tensor by
 tensor, where the kernel does not serve (`quantization: none`, CUDA). Neither path holds
 the whole model in fp32 or writes it to disk.

@@ -4,7 +4,7 @@ the eager path, which is always there.
 The runner packs a step (`StepInputs`), asks its executor for the host arrays to upload,
 copies them to the device in one copy, and hands the device tensors back to `run`. The
 eager path below runs the model on them as they are; the compiled forward and the decode
-graphs (`engine.compiled`, an optional room chosen by `engine.capabilities`) pad or bucket
+graphs (`engine.compiled`, an optional component chosen by `engine.capabilities`) pad or bucket
 them first, and fall back to this path for steps they do not take.
 """
 

@@ -1,7 +1,7 @@
 """The interfaces through which the core speaks to a grammar engine: one sample's
 constraint on its next token, and the compiler that makes constraints and masks logits.
 
-The grammar room (`engine.grammar`, llguidance's matchers, chosen by
+The grammar component (`engine.grammar`, llguidance's matchers, chosen by
 `engine.capabilities.grammar_compiler`) implements both; the core (intake, request state,
 sampler, speculative decoding) names only these.
 """

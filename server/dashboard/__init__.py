@@ -1,2 +1,2 @@
-"""The live dashboard: its page, its script and its JSON (an optional room: the app
+"""The live dashboard: its page, its script and its JSON (an optional component: the app
 installs it through `server.capabilities`)."""

@@ -1,2 +1,2 @@
-"""Tool calling: the models' call formats and a chat request's tools (an optional room: the
+"""Tool calling: the models' call formats and a chat request's tools (an optional component: the
 core reaches it only through `server.capabilities`)."""

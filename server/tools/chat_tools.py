@@ -1,4 +1,4 @@
-"""The tools room's side of `server.conversation`: how the served model's conversation
+"""The tools component's side of `server.conversation`: how the served model's conversation
 carries tools and calls, the grammar of the calls (forcing one, or in `auto` holding a
 begun call to its schema), and the calls read back out of a reply's text.
 

@@ -1,7 +1,7 @@
 """The attention-backend registry: each backend says why it cannot run for a device, dtype
 or shape; `auto` takes the first that can and keeps why it passed over the others; a named
 backend that cannot run is a one-line `ConfigError`; and the engine runs without the
-optional rooms (the C++ kernel's and the Triton kernels' files removed)."""
+optional components (the C++ kernel's and the Triton kernels' files removed)."""
 
 from __future__ import annotations
 
@@ -73,7 +73,7 @@ def test_the_engine_chooses_once_at_start_and_compiling_says_why_it_cannot(
         LLM(str(folder), dtype="float32", kv_cache_memory="4MiB", enforce_eager=False)
 
 
-WITHOUT_ROOMS = """
+WITHOUT_COMPONENTS = """
 import json, sys, torch
 import engine
 from engine import LLM, SamplingParams
@@ -99,15 +99,15 @@ print(json.dumps({"backend": llm.engine.attention.backend.name, "tokens": tokens
 @pytest.mark.slow
 def test_the_engine_runs_with_the_optional_rooms_removed(tiny_model_paths, tmp_path) -> None:
     """A copy of the core without the attention kernels' files imports, serves on torch
-    (the tokens of the full tree's torch backend) and names the missing rooms as reasons."""
+    (the tokens of the full tree's torch backend) and names the missing components as reasons."""
     kernels = "engine/model/kernels"
     removed = [
-        f"{kernels}/{room}"
-        for room in ("paged_attention.py", "paged_attention.cpp", "triton_attention.py")
+        f"{kernels}/{component}"
+        for component in ("paged_attention.py", "paged_attention.cpp", "triton_attention.py")
     ]
     copy_core(tmp_path, ("engine", "scheduler", "cache"), removed)
     model = str(tiny_model_paths["llama"])
-    got = run_script(WITHOUT_ROOMS, tmp_path, model, str(tmp_path))
+    got = run_script(WITHOUT_COMPONENTS, tmp_path, model, str(tmp_path))
     assert got["backend"] == "torch"
     for name in ("cpp", "triton"):
         assert f"its module {BACKENDS[name][0]} cannot be imported" in got["reasons"][name]

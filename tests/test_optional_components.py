@@ -1,14 +1,14 @@
-"""The optional rooms are optional: a copy of the core with the rooms' folders removed
+"""The optional components are optional: a copy of the core with the components' folders removed
 imports, serves greedy tokens equal to the full tree's, and its app answers a chat; asking
-for what a missing room gives fails with one line naming the setting or field.
+for what a missing component gives fails with one line naming the setting or field.
 
-The rooms here: the compiled step paths (`engine/compiled/`), the linears
+The components here: the compiled step paths (`engine/compiled/`), the linears
 (`engine/linears/`), the grammar (`engine/grammar/`), the KV tiers (`engine/kv_tiers/`)
 and KV events (`engine/kv_events/`), the dashboard (`server/dashboard/`) and tool calling
 (`server/tools/`), which the core reaches only through
 `engine.capabilities` and `server.capabilities`. The attention kernels, reached through the
 backend registry, have their own such test (`tests/engine/test_attention_backend.py`).
-And with every room in place, requests that do not use tools do not import the tools room.
+And with every component in place, requests that do not use tools do not import the tools component.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import pytest
 from engine import LLM, SamplingParams
 from tests.core_copy import ROOT, copy_core, run_script
 
-ROOMS = (
+COMPONENTS = (
     "engine/compiled",
     "engine/linears",
     "engine/grammar",
@@ -32,7 +32,7 @@ ROOMS = (
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 PROMPT = "Paged attention"
 
-WITHOUT_ROOMS = r"""
+WITHOUT_COMPONENTS = r"""
 import json, sys
 
 import pytest
@@ -124,9 +124,9 @@ def test_requests_without_tools_leave_the_tools_room_unimported(tiny_model_paths
 
 @pytest.mark.slow
 def test_the_core_serves_with_every_optional_room_removed(tiny_model_paths, tmp_path) -> None:
-    copy_core(tmp_path, ("engine", "scheduler", "cache", "server"), ROOMS)
+    copy_core(tmp_path, ("engine", "scheduler", "cache", "server"), COMPONENTS)
     model = str(tiny_model_paths["llama"])
-    got = run_script(WITHOUT_ROOMS, tmp_path, model, PROMPT, json.dumps(TOOL))
+    got = run_script(WITHOUT_COMPONENTS, tmp_path, model, PROMPT, json.dumps(TOOL))
     refusals = got["refusals"]
     assert refusals["enforce_eager"].startswith("enforce_eager false on the CPU compiles")
     assert "engine.compiled cannot be imported here" in refusals["enforce_eager"]
