@@ -215,24 +215,21 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
         assert np.array_equal(alone, batched[i]), i
 
 
-def test_a_decoder_embeds_by_its_last_token_as_sentence_transformers(
-    server: str, decoder_embedder: Path
+@pytest.mark.parametrize(
+    ("name", "folder"),
+    [("qwen3-embedding", "decoder_embedder"), ("modernbert", "modernbert")],
+)
+def test_a_model_run_text_by_text_embeds_as_sentence_transformers(
+    server: str, name: str, folder: str, request: pytest.FixtureRequest
 ):
+    """A decoder (last-token pooling) and ModernBERT (mean pooling, sliding windows), each
+    text through the model's own forward: the reference's embeddings, and alone = batched."""
     texts = _texts(40, seed=2)
-    got = _vectors(_embed(server, texts, model="qwen3-embedding", encoding_format="base64"))
-    want = SentenceTransformer(str(decoder_embedder), device="cpu").encode(texts)
-    assert np.abs(got - want).max() <= 1e-5
-    alone = _vectors(_embed(server, texts[7], model="qwen3-embedding", encoding_format="base64"))
+    got = _vectors(_embed(server, texts, model=name, encoding_format="base64"))
+    reference = SentenceTransformer(str(request.getfixturevalue(folder)), device="cpu")
+    assert np.abs(got - reference.encode(texts)).max() <= 1e-5
+    alone = _vectors(_embed(server, texts[7], model=name, encoding_format="base64"))
     assert np.array_equal(alone[0], got[7])
-
-
-def test_modernbert_embeds_as_sentence_transformers(server: str, modernbert: Path):
-    texts = _texts(40, seed=3)
-    got = _vectors(_embed(server, texts, model="modernbert", encoding_format="base64"))
-    want = SentenceTransformer(str(modernbert), device="cpu").encode(texts)
-    assert np.abs(got - want).max() <= 1e-5
-    alone = _vectors(_embed(server, texts[5], model="modernbert", encoding_format="base64"))
-    assert np.array_equal(alone[0], got[5])
 
 
 def test_the_ranking_of_pairs_by_cosine_is_the_references(
