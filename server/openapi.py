@@ -95,11 +95,7 @@ def install_openapi(app: FastAPI) -> None:
             )  # fmt: skip
             for operations in schema["paths"].values():
                 for operation in operations.values():
-                    operation["responses"].pop("422", None)
-                    for status, response in operation["responses"].items():
-                        if int(status) >= 400 and "content" in response:
-                            [body] = response["content"].values()
-                            response["content"] = {"application/json": body}
+                    _json_errors(operation["responses"])
             schemas = schema.get("components", {}).get("schemas", {})
             for name in ("HTTPValidationError", "ValidationError"):
                 schemas.pop(name, None)
@@ -108,6 +104,15 @@ def install_openapi(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+
+
+def _json_errors(responses: dict[str, Any]) -> None:
+    """Drop FastAPI's 422 and give each error its JSON body, in place."""
+    responses.pop("422", None)
+    for status, response in responses.items():
+        if int(status) >= 400 and "content" in response:
+            [body] = response["content"].values()
+            response["content"] = {"application/json": body}
 
 
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")

@@ -281,7 +281,6 @@ PROMPT_SCHEMA = {
         },
     ]
 }
-LOGPROBS = limits(minimum=0, maximum=MAX_LOGPROBS)
 
 
 class SamplingRequest(_Body):
@@ -320,7 +319,7 @@ class SamplingRequest(_Body):
     # policy refuses any but 0 (engine/request/intake.py).
     priority: int | None = None
     # vLLM's: the logprobs of the prompt's tokens, with this many alternatives each.
-    prompt_logprobs: int | None = LOGPROBS
+    prompt_logprobs: int | None = limits(minimum=0, maximum=MAX_LOGPROBS)
     # Structured outputs (see `structured_outputs_field`): OpenAI's and vLLM's spellings.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -420,7 +419,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list), WithJsonSchema(PROMPT_SCHEMA)]
     max_tokens: int | None = limits(minimum=0)  # 0 only with echo
     echo: bool | None = False
-    logprobs: int | None = LOGPROBS
+    logprobs: int | None = limits(minimum=0, maximum=MAX_LOGPROBS)
     best_of: int | None = limits(minimum=1)  # accepted when null or n: one sample per choice
 
     @model_validator(mode="after")
@@ -585,7 +584,7 @@ class ChatCompletionRequest(SamplingRequest):
     max_tokens: int | None = limits(minimum=1)
     max_completion_tokens: int | None = limits(minimum=1)
     logprobs: bool | None = False
-    top_logprobs: int | None = LOGPROBS
+    top_logprobs: int | None = limits(minimum=0, maximum=MAX_LOGPROBS)
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
