@@ -27,7 +27,7 @@ from server.config import (
     ServedModelConfig,
     resolve_serve_config,
 )
-from server.response_store import ResponseStoreError, connect
+from server.responses.store import ResponseStoreError, connect
 
 USAGE_ERROR = 2
 

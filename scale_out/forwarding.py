@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from starlette.types import ASGIApp, Message, Scope
 
 from engine.request.intake import RenderedPrompt
-from server.handling import RENDERED_PROMPT
+from server.generation import RENDERED_PROMPT
 
 logger = logging.getLogger(__name__)
 

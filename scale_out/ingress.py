@@ -33,7 +33,7 @@ from scale_out.replica import PromptRendering
 from server.capabilities import tool_calling
 from server.config import ServeConfig
 from server.errors import OpenAIError, error_body
-from server.handling import DONE, sse
+from server.streaming import DONE, sse
 
 logger = logging.getLogger(__name__)
 

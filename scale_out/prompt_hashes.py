@@ -7,7 +7,7 @@ tokenizer, `RequestProcessor.render_chat` / `encode`, and the server's own
 hash (`cache.block.extend_block_hashes`). So block i of a request here is block i of
 that request in any replica's prefix cache, and two requests share their first k hashes
 exactly when a replica could serve the second one's first k blocks from the first's. The
-replica takes the token ids and hashes as they are (`server.handling`).
+replica takes the token ids and hashes as they are (`server.generation`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from collections.abc import Callable
 
 from cache.block import extend_block_hashes
 from engine.request.intake import RenderedPrompt, RequestProcessor
+from server.chat_protocol import ChatCompletionRequest
 from server.conversation import ToolCalling, ToolRequest, render
-from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.protocol import CompletionRequest
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"

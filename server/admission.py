@@ -8,7 +8,7 @@ drain rate) while `max_queued_requests` or more sequences are queued.
 
 A deadline runs from a request's arrival: the server's `request_timeout`, shortened (never
 lengthened) by the client's `X-Request-Timeout` header. When it passes, the request's
-engine requests are aborted like a disconnected client's (see `server.handling`).
+engine requests are aborted like a disconnected client's (see `server.generation`).
 """
 
 from __future__ import annotations

@@ -23,23 +23,18 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 
 from engine.engines import start_engine
-from server import (
-    capabilities,
-    chat,
-    completions,
-    embeddings,
-    info,
-    lora,
-    responses,
-    sleep,
-    tokenization,
-)
-from server import models as models_routes
+from server import capabilities
+from server.admin import info, lora, sleep
 from server.anthropic import messages
 from server.config import ServeConfig
 from server.errors import OpenAIError, RequestIdMiddleware, install_error_handlers
 from server.model_pool import LLMFactory, ModelLeases, ModelPool
+from server.openai import chat, completions, embeddings, tokenization
+from server.openai import models as models_routes
 from server.openapi import install_openapi
+from server.responses import routes as responses
+from server.responses.protocol import INPUT_ITEM_TYPES
+from server.responses.store import ResponseStore
 from server.state import ServerState
 
 logger = logging.getLogger(__name__)
@@ -60,11 +55,12 @@ def build_app(
         config, llm_factory=llm_factory, tool_calling_factory=capabilities.tool_calling
     )
     models = state.models
+    store = ResponseStore(config.response_store_path())
     models.on_load_error, models.on_engine_death = on_load_error, on_engine_death
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await state.responses.open()
+        await store.open()
         loading = asyncio.create_task(_load_single(models)) if models.single else None
         running = [asyncio.create_task(task()) for task in state.background]
         host = f"[{config.host}]" if ":" in config.host else config.host
@@ -77,13 +73,13 @@ def build_app(
             if loading is not None:
                 await asyncio.gather(loading, return_exceptions=True)
             await models.shutdown()
-            await state.responses.close()
+            await store.close()
 
     app = FastAPI(title="pagedserve", version=info.VERSION, lifespan=lifespan)
-    app.state.server = state
+    app.state.server, app.state.responses = state, store
     app.add_middleware(ModelLeases)
     app.add_middleware(RequestIdMiddleware)
-    install_error_handlers(app)
+    install_error_handlers(app, item_tags=INPUT_ITEM_TYPES)
     app.include_router(info.open_router)
     app.include_router(models_routes.router)
     app.include_router(completions.router)

@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from server.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
+from server.chat_protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 
 if TYPE_CHECKING:
     from engine.sampling.params import StructuredOutputs
-    from server.protocol import ResponseToolCall
+    from server.chat_protocol import ResponseToolCall
 
 
 @dataclass(frozen=True, slots=True)

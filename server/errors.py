@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from http import HTTPStatus
 from typing import Any
@@ -29,7 +29,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.errors import EngineError
 from server.openapi import ErrorBody, ErrorDetail
 from server.protocol import FIELD_ERROR, UNSUPPORTED_FIELDS, undeclared_field_reason
-from server.responses_protocol import INPUT_ITEM_TYPES
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +37,6 @@ CLIENT_CLOSED_REQUEST = 499
 # Pydantic names the member of a union that failed (`prompt.list[int]`); a client
 # wants the field's path, so these tags are left out of `param`.
 _UNION_TAGS = {"str", "int", "float", "bool"}
-# Likewise the tag of a list's discriminated union, after the index (`input[0].message.role`).
-_ITEM_TAGS = set(INPUT_ITEM_TYPES)
 
 
 class OpenAIError(Exception):
@@ -102,9 +99,16 @@ def error_response(error: OpenAIError) -> JSONResponse:
     return JSONResponse(error_body(error), status_code=error.status, headers=error.headers)
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI, item_tags: Collection[str] = ()) -> None:
+    """Answer every error in OpenAI's error format. `item_tags`: the tags of the request
+    models' discriminated unions of list items, which a field's path leaves out (the
+    Responses API's `input[0].message.role` is `input[0].role` to a client)."""
+
+    async def validation_error(request: Request, exc: RequestValidationError) -> Response:
+        return error_response(describe_validation_error(exc, item_tags=item_tags))
+
     app.add_exception_handler(OpenAIError, _openai_error)
-    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(EngineError, _engine_error)
     app.add_exception_handler(ClientDisconnected, _client_disconnected)
@@ -119,19 +123,18 @@ async def _openai_error(request: Request, exc: OpenAIError) -> Response:
     return error_response(exc)
 
 
-async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-    return error_response(describe_validation_error(exc))
-
-
 def describe_validation_error(
-    exc: RequestValidationError, refused: Mapping[str, str] = UNSUPPORTED_FIELDS
+    exc: RequestValidationError,
+    refused: Mapping[str, str] = UNSUPPORTED_FIELDS,
+    item_tags: Collection[str] = (),
 ) -> OpenAIError:
     """A 400 naming an invalid field (`messages[0].content`), or the body itself.
 
     Of several errors the deepest is the most telling: for a union-typed field it comes
     from the member the value came closest to matching. A model validator's `field_error`
     names the field it is about; an undeclared field says why it is refused (`refused`:
-    the API's known fields that are not implemented, with the reasons).
+    the API's known fields that are not implemented, with the reasons; `item_tags`: as
+    `install_error_handlers` says).
     """
     error = max(exc.errors(), key=lambda candidate: len(candidate["loc"]))
     loc = error["loc"]
@@ -140,7 +143,7 @@ def describe_validation_error(
         for i, part in enumerate(loc)
         if part not in _UNION_TAGS
         and "[" not in str(part)
-        and not (part in _ITEM_TAGS and i > 0 and isinstance(loc[i - 1], int))
+        and not (part in item_tags and i > 0 and isinstance(loc[i - 1], int))
     ]
     if location and location[0] in ("body", "query", "path"):
         location = location[1:]

@@ -29,8 +29,6 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -45,7 +43,7 @@ from engine.pooling.async_pooler import AsyncPooler
 from engine.sleep import trim_heap
 from server.admission import Deadline
 from server.errors import OpenAIError, deadline_exceeded
-from server.reasoning import ReasoningSyntax
+from server.served_model import ModelState, ServedModel
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
@@ -56,9 +54,6 @@ if TYPE_CHECKING:
 # The tools component's entry point (`server.capabilities.tool_calling`): the `tool_call_parser`
 # setting, the chat template and the special tokens in; None where the component is missing.
 ToolCallingFactory = Callable[[str, "str | None", "SpecialTokens"], "ToolCalling | None"]
-# The tools component's entry point with the `tool_call_parser` setting given: a chat template and
-# special tokens in; None where the component is missing.
-ModelToolCalling = Callable[["str | None", "SpecialTokens"], "ToolCalling | None"]
 
 logger = logging.getLogger(__name__)
 
@@ -66,107 +61,6 @@ LLMFactory = Callable[["EngineConfig"], "AsyncLLM | AsyncPooler"]
 # The ASGI scope key under which a request's held models' release calls wait.
 LEASES = "pagedserve.model_leases"
 GiB = 1024**3
-
-
-class ModelState(StrEnum):
-    UNLOADED = "unloaded"
-    LOADING = "loading"
-    LOADED = "loaded"
-    SLEEPING = "sleeping"
-    FAILED = "failed"
-
-
-@dataclass(eq=False)
-class ServedModel:
-    """One configured model: its name, its engine's settings, and its engine once loaded.
-    `root` is the model's own name (a folder's or file's), which a single model also
-    answers to."""
-
-    name: str
-    root: str
-    config: EngineConfig
-    keep_alive: float
-    tool_calling_factory: ModelToolCalling = field(repr=False)
-    # Its engine once loaded: a pooling model's serves the pooling endpoints only.
-    llm: AsyncLLM | AsyncPooler | None = None
-    load_error: BaseException | None = None
-    users: int = 0
-    last_used: float = field(default_factory=time.monotonic)
-    loading: asyncio.Task[None] | None = field(default=None, repr=False)
-    unloading: bool = False
-    load_seconds: float = 0.0
-    # Its LoRA adapters, name -> folder: `lora_modules` and those loaded at run time; an
-    # engine loads with all of them.
-    adapters: dict[str, str] = field(default_factory=dict)
-    _idle: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
-    _expiry: asyncio.TimerHandle | None = field(default=None, repr=False)
-    _tool_calling: tuple[ToolCalling | None] | None = field(default=None, repr=False)
-
-    @property
-    def state(self) -> ModelState:
-        if self.loading is not None:
-            return ModelState.LOADING
-        if self.llm is None:
-            return ModelState.UNLOADED if self.load_error is None else ModelState.FAILED
-        return ModelState.SLEEPING if self.llm.sleep_level > 0 else ModelState.LOADED
-
-    def ready_llm(self) -> AsyncLLM | AsyncPooler:
-        """The engine, or a 503 while it loads, after it failed to load, or once it died."""
-        if self.llm is None:
-            reason = "is still loading" if self.load_error is None else "failed to load"
-            raise OpenAIError(503, f"the model {reason}", type="service_unavailable")
-        if not self.llm.is_healthy:
-            raise OpenAIError(503, "the engine has stopped", type="service_unavailable")
-        return self.llm
-
-    def generator(self, use: str) -> AsyncLLM:
-        """The engine of a model that generates; a 400 naming `use` (an endpoint, a
-        feature) for a pooling model."""
-        llm = self.ready_llm()
-        if isinstance(llm, AsyncPooler):
-            serves = "/score and /rerank"
-            if llm.spec.task == "embed":
-                serves = "/v1/embeddings, /score and /rerank"
-            raise OpenAIError(
-                400, f"the model '{self.name}' is a pooling model: it serves {serves}, not {use}",
-                param="model",
-            )  # fmt: skip
-        return llm
-
-    def pooler(self, use: str) -> AsyncPooler:
-        """The engine of a pooling model; a 400 naming `use` (an endpoint) for a model that
-        generates."""
-        llm = self.ready_llm()
-        if not isinstance(llm, AsyncPooler):
-            raise OpenAIError(
-                400, f"the model '{self.name}' generates text: {use} needs a pooling model (an "
-                "embedding model, a cross-encoder or a reranker)", param="model",
-            )  # fmt: skip
-        return llm
-
-    def tool_calling(self) -> ToolCalling | None:
-        """How the model writes tool calls (the `tool_call_parser` setting), from the tools
-        component, asked the first time a request needs it; None without it."""
-        llm = self.generator("tools")
-        if self._tool_calling is None:
-            calling = self.tool_calling_factory(llm.chat_template, llm.special_tokens)
-            self._tool_calling = (calling,)
-        return self._tool_calling[0]
-
-    def reasoning_syntax(self, parser: str) -> ReasoningSyntax | None:
-        """How the model reasons under the `reasoning_parser` setting; None: it does not."""
-        llm = self.generator("reasoning")
-        return ReasoningSyntax.of(parser, llm.chat_template, llm.special_tokens.text)
-
-    def hold(self) -> None:
-        self.users += 1
-        self._idle.clear()
-        if self._expiry is not None:
-            self._expiry.cancel()
-            self._expiry = None
-
-    def idle(self) -> bool:
-        return self.users == 0
 
 
 class ModelPool:
@@ -320,16 +214,13 @@ class ModelPool:
 
     def release(self, model: ServedModel) -> None:
         """One user of `model` is done; the last one starts its keep_alive."""
-        model.users -= 1
-        model.last_used = time.monotonic()
-        if model.users:
+        if not model.release():
             return
-        model._idle.set()
         if model.keep_alive == 0:
             self._start_unload(model)
         elif math.isfinite(model.keep_alive):
             loop = asyncio.get_running_loop()
-            model._expiry = loop.call_later(model.keep_alive, self._start_unload, model)
+            model.expire_at(loop.call_later(model.keep_alive, self._start_unload, model))
 
     async def load(self, model: ServedModel) -> None:
         """Load `model` unless it is loaded; wait for a load in progress. Raises an
@@ -352,8 +243,7 @@ class ModelPool:
         for model in self.models.values():
             if model.loading is not None:
                 await asyncio.gather(model.loading, return_exceptions=True)
-            if model._expiry is not None:
-                model._expiry.cancel()
+            model.expire_at(None)
         for task in list(self._watching):
             task.cancel()
         for model in self.loaded():
@@ -435,7 +325,7 @@ class ModelPool:
 
     def _start_unload(self, model: ServedModel) -> None:
         """Unload `model` if it is still idle past its keep_alive (a timer's call)."""
-        model._expiry = None
+        model.expire_at(None)
         if model.idle() and model.llm is not None:
             task = asyncio.create_task(self._unload_if_expired(model))
             task.add_done_callback(_retrieve)
@@ -449,7 +339,7 @@ class ModelPool:
             remaining = model.last_used + model.keep_alive - time.monotonic()
             if remaining > 0:
                 loop = asyncio.get_running_loop()
-                model._expiry = loop.call_later(remaining, self._start_unload, model)
+                model.expire_at(loop.call_later(remaining, self._start_unload, model))
                 return
             await self._unload(model)
 
@@ -460,7 +350,7 @@ class ModelPool:
             model.unloading = True
             try:
                 if not model.idle():
-                    await model._idle.wait()
+                    await model.wait_idle()
                 return await self._unload(model)
             finally:
                 model.unloading = False
@@ -468,7 +358,7 @@ class ModelPool:
     async def _unload(self, model: ServedModel) -> float:
         """Stop `model`'s engine and give its memory back (under `_lock`, model idle)."""
         started = time.monotonic()
-        llm, model.llm, model._tool_calling = model.llm, None, None
+        llm = model.drop_engine()
         assert llm is not None
         await llm.shutdown()
         del llm
@@ -495,7 +385,7 @@ class ModelPool:
                 self.on_engine_death(failure)
             return
         if model.llm is llm:
-            model.llm, model.load_error, model._tool_calling = None, failure, None
+            model.drop_engine(failure)
 
 
 def _root_name(model: str) -> str:

@@ -1,4 +1,6 @@
-"""The OpenAI wire format: request bodies (validated) and response bodies (constructed).
+"""The wire format every API shares: the bases of request bodies (validated) and response
+bodies (constructed), the field errors, and the sampling request that chat completions,
+completions, the Responses API and Anthropic's messages all become.
 
 Request models are strict (`"n": true` or `"max_tokens": "5"` is a 400, not a guess) and
 closed: no field is silently dropped. A field a model declares is honoured; any other is
@@ -11,24 +13,19 @@ Ranges are checked once, by `SamplingParams`, not here.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Collection, Mapping
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     GetJsonSchemaHandler,
-    PlainValidator,
-    WithJsonSchema,
-    model_serializer,
     model_validator,
 )
 from pydantic.json_schema import JsonSchemaValue
 from pydantic_core import CoreSchema, PydanticCustomError
 
-from engine.request.intake import Prompt, as_prompt_list
 from engine.sampling.params import (
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
@@ -101,14 +98,6 @@ UNSUPPORTED_FIELDS: dict[str, str] = {
     "continuous_usage_stats": "usage is reported once, in the last chunk",
 }
 
-# Arguments of transformers' `apply_chat_template` that the server sets itself: not
-# variables a request may give the template in `chat_template_kwargs` (vLLM refuses
-# `chat_template` and `tokenize` there).
-RESERVED_TEMPLATE_KWARGS = frozenset({
-    "chat_template", "tokenize", "add_generation_prompt", "continue_final_message",
-    "tools", "documents", "conversation", "messages", "return_dict", "return_tensors",
-    "padding", "truncation", "max_length", "return_assistant_tokens_mask", "tokenizer_kwargs",
-})  # fmt: skip
 
 # The pydantic error type of `field_error`; `server.errors` names its field as `param`.
 FIELD_ERROR = "field_error"
@@ -141,7 +130,7 @@ def undeclared_field_reason(name: str, refused: Mapping[str, str] = UNSUPPORTED_
     return "unrecognized request argument: this server does not know it, so it cannot honour it"
 
 
-class _Request(BaseModel):
+class RequestModel(BaseModel):
     """A request model: strict and closed (see the module docstring). Pydantic refuses
     undeclared fields (`extra_forbidden`) after `_drop_ignorable` removed those that
     may be ignored, so a field a model declares is always validated and honoured."""
@@ -166,7 +155,7 @@ class _Request(BaseModel):
         }
 
 
-class _Body(_Request):
+class RequestBody(RequestModel):
     """A whole request body. Also refuses a lone surrogate (`"\\ud800"`) in any of its
     strings, keys included: JSON can escape one, but it is not Unicode text, so neither
     the tokenizer nor a response (an error included) could carry it."""
@@ -190,11 +179,6 @@ class _Body(_Request):
         if path is not None:
             raise field_error(path, "contains a lone surrogate, which is not valid Unicode")
         return data
-
-
-# The bases of another API's request models: strict and closed as these are.
-RequestModel = _Request
-RequestBody = _Body
 
 
 def _lone_surrogate_path(data: Any) -> tuple[str | int, ...] | None:
@@ -222,11 +206,11 @@ def _is_unicode(text: str) -> bool:
     return True
 
 
-class StreamOptions(_Request):
+class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
-class JsonSchemaFormat(_Request):
+class JsonSchemaFormat(RequestModel):
     """`response_format.json_schema`: the schema and OpenAI's name for it."""
 
     name: str | None = None
@@ -235,12 +219,12 @@ class JsonSchemaFormat(_Request):
     strict: bool | None = None
 
 
-class ResponseFormat(_Request):
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(_Request):
+class StructuredOutputsRequest(RequestModel):
     """vLLM's `structured_outputs` object: exactly one constraint (checked by the engine)."""
 
     json_: dict[str, Any] | str | None = Field(None, alias="json")
@@ -283,7 +267,7 @@ PROMPT_SCHEMA = {
 }
 
 
-class SamplingRequest(_Body):
+class SamplingRequest(RequestBody):
     """The fields completions and chat share; all map onto `SamplingParams`."""
 
     # max_tokens when neither the request nor the server's defaults set it; None: the room
@@ -413,50 +397,6 @@ class SamplingRequest(_Body):
         return SamplingParams(logprobs=logprobs, prompt_logprobs=prompt_logprobs, **values)
 
 
-class CompletionRequest(SamplingRequest):
-    DEFAULT_MAX_TOKENS: ClassVar[int | None] = 16  # OpenAI's
-
-    prompt: Annotated[list[Prompt], PlainValidator(as_prompt_list), WithJsonSchema(PROMPT_SCHEMA)]
-    max_tokens: int | None = limits(minimum=0)  # 0 only with echo
-    echo: bool | None = False
-    logprobs: int | None = limits(minimum=0, maximum=MAX_LOGPROBS)
-    best_of: int | None = limits(minimum=1)  # accepted when null or n: one sample per choice
-
-    @model_validator(mode="after")
-    def _echo_logprobs_whole(self) -> CompletionRequest:
-        if self.echo and self.logprobs is not None and self.stream:
-            raise field_error("echo", "with logprobs is not supported when streaming")
-        if self.max_tokens == 0 and not (self.echo and not self.stream):
-            raise field_error("max_tokens", "0 is only allowed with echo, not streaming")
-        return self
-
-    @property
-    def echo_only(self) -> bool:
-        """Echo the prompt and generate nothing (lm-eval's loglikelihood call): the engine
-        computes one token, which the response leaves out."""
-        return bool(self.echo) and self.max_tokens == 0
-
-    @property
-    def engine_prompt_logprobs(self) -> int | None:
-        """The alternatives per prompt token the engine computes: `prompt_logprobs`'s, and
-        with echo `logprobs`'s, whichever is more."""
-        counts = [self.prompt_logprobs]
-        if self.echo:
-            counts.append(self.logprobs)
-        given = [count for count in counts if count is not None]
-        return max(given) if given else None
-
-    @model_validator(mode="after")
-    def _best_of_is_n(self) -> CompletionRequest:
-        n = 1 if self.n is None else self.n
-        if self.best_of is not None and self.best_of < n:
-            raise field_error("best_of", f"must be >= n ({n}), got {self.best_of}")
-        if self.best_of is not None and self.best_of > n:
-            reason = UNSUPPORTED_FIELDS["best_of"]
-            raise field_error("best_of", f"above n ({n}) is not supported: {reason}")
-        return self
-
-
 def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's logit_bias keys (token ids as decimal strings) as ints; ValueError if not."""
     for key in logit_bias:
@@ -465,404 +405,19 @@ def _token_id_keys(logit_bias: dict[str, float]) -> dict[int, float]:
     return {int(key): bias for key, bias in logit_bias.items()}
 
 
-class TextPart(_Request):
-    """A content part; only text ones are supported (this server serves text models)."""
+class ResponseModel(BaseModel):
+    """A response model: constructed by the server, so closed (a misspelt field fails
+    at once rather than leaving the wire)."""
 
-    type: Literal["text"]
-    text: str
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        return check_type(data, ("text",), "{kind} content parts are not supported: text only")
-
-
-class FunctionCall(_Request):
-    """A call an assistant made: `arguments` is JSON text, as OpenAI sends it."""
-
-    name: str
-    arguments: str
-
-
-class ToolCall(_Request):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-# ChatMessage's invariants on its fields, in its JSON Schema.
-_MESSAGE_RULES = {
-    "allOf": [
-        {
-            "if": {"properties": {"role": {"const": "assistant"}}},
-            "else": {
-                "required": ["content"],
-                "properties": {
-                    "content": {"not": {"type": "null"}},
-                    "tool_calls": {"type": "null"},
-                },
-            },
-        },
-        {
-            "if": {"properties": {"role": {"const": "tool"}}},
-            "then": {
-                "required": ["tool_call_id"],
-                "properties": {"tool_call_id": {"type": "string"}},
-            },
-        },
-    ]
-}
-
-
-class ChatMessage(_Request):
-    """Invariants: only an assistant message may come without content; `tool_calls` come
-    only on assistant messages, and each call's arguments are a JSON object; a tool
-    message carries the `tool_call_id` it answers. The schema states all but the
-    arguments'."""
-
-    model_config = ConfigDict(json_schema_extra=_MESSAGE_RULES)
-
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
-    tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _content_unless_assistant(self) -> ChatMessage:
-        if self.content is None and self.role != "assistant":
-            raise field_error("content", f"required in a {self.role} message")
-        if self.tool_calls is not None and self.role != "assistant":
-            raise field_error("tool_calls", "only an assistant message makes tool calls")
-        for i, call in enumerate(self.tool_calls or []):
-            try:
-                arguments = json.loads(call.function.arguments)
-            except json.JSONDecodeError:
-                arguments = None
-            if not isinstance(arguments, dict):
-                path = ("tool_calls", i, "function", "arguments")
-                raise field_error(path, "must be a JSON object, as text")
-        if self.role == "tool" and self.tool_call_id is None:
-            raise field_error("tool_call_id", "required in a tool message")
-        return self
-
-    def text(self) -> str:
-        """The content as one string; text parts are joined by newlines, as vLLM does."""
-        if self.content is None:
-            return ""
-        if isinstance(self.content, str):
-            return self.content
-        return "\n".join(part.text for part in self.content)
-
-
-class FunctionDefinition(_Request):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class ToolDefinition(_Request):
-    type: Literal["function"]
-    function: FunctionDefinition
-
-
-class NamedFunction(_Request):
-    name: str
-
-
-class NamedToolChoice(_Request):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class ChatCompletionRequest(SamplingRequest):
-    """Invariants: `tool_choice` and `parallel_tool_calls` come only with `tools`; tool
-    names are distinct and a named choice names one of them."""
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = limits(minimum=1)
-    max_completion_tokens: int | None = limits(minimum=1)
-    logprobs: bool | None = False
-    top_logprobs: int | None = limits(minimum=0, maximum=MAX_LOGPROBS)
-    tools: list[ToolDefinition] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None
-    # vLLM's: more variables for the chat template (Qwen3's `enable_thinking: false` turns
-    # its thinking off); one the template does not read changes nothing, as in vLLM.
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @model_validator(mode="after")
-    def _template_kwargs_are_variables(self) -> ChatCompletionRequest:
-        _check_template_kwargs(self.chat_template_kwargs)
-        return self
-
-    @model_validator(mode="after")
-    def _tool_choice_needs_tools(self) -> ChatCompletionRequest:
-        names = [tool.function.name for tool in self.tools or []]
-        if len(set(names)) != len(names):
-            raise field_error("tools", "function names must be distinct")
-        for field in ("tool_choice", "parallel_tool_calls"):
-            if getattr(self, field) is not None and not self.tools:
-                raise field_error(field, "only allowed when tools are given")
-        choice = self.tool_choice
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise field_error("tool_choice", f"names {choice.function.name!r}, not a tool")
-        structured = self.structured_outputs_field
-        if self.forces_tool_call and structured is not None:
-            raise field_error(structured, "cannot be combined with a tool_choice forcing a call")
-        return self
-
-    @property
-    def forces_tool_call(self) -> bool:
-        """Whether the reply must be tool calls: `required`, or a named function."""
-        return self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice)
-
-
-def _check_template_kwargs(kwargs: dict[str, Any] | None) -> None:
-    for key in sorted(RESERVED_TEMPLATE_KWARGS & (kwargs or {}).keys()):
-        raise field_error(("chat_template_kwargs", key), "not supported: the server sets it")
-
-
-class TokenizeRequest(_Body):
-    """vLLM's POST /tokenize. Invariant: exactly one of `prompt` (tokenized as completions
-    tokenize it, `add_special_tokens` aside) or `messages` (rendered as chat renders them,
-    `add_generation_prompt` aside), and each option only with its own input."""
-
-    model: str | None = None
-    prompt: str | None = None
-    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = None
-    chat_template_kwargs: dict[str, Any] | None = None  # as chat's
-    return_token_strs: bool | None = False
-
-    @model_validator(mode="after")
-    def _one_input(self) -> TokenizeRequest:
-        if (self.prompt is None) == (self.messages is None):
-            raise field_error((), "needs exactly one of prompt and messages")
-        if self.prompt is None and self.add_special_tokens is not None:
-            raise field_error("add_special_tokens", "applies to a prompt, not to messages")
-        for field in ("add_generation_prompt", "chat_template_kwargs"):
-            if self.messages is None and getattr(self, field) is not None:
-                raise field_error(field, "applies to messages, not to a prompt")
-        _check_template_kwargs(self.chat_template_kwargs)
-        return self
-
-
-class DetokenizeRequest(_Body):
-    """vLLM's POST /detokenize."""
-
-    model: str | None = None
-    tokens: list[int]
-
-
-class _Response(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-# The base of the other endpoints' response models.
-ResponseModel = _Response
-
-
-class PromptTokensDetails(_Response):
+class PromptTokensDetails(ResponseModel):
     cached_tokens: int
 
 
-class Usage(_Response):
+class Usage(ResponseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
-
-
-class CompletionLogprobs(_Response):
-    """OpenAI's legacy per-token format, one entry per generated token in each list."""
-
-    tokens: list[str]
-    token_logprobs: list[float | None]  # None: an echoed prompt's first token
-    top_logprobs: list[dict[str, float] | None]
-    text_offset: list[int]
-
-
-class PromptLogprob(_Response):
-    """vLLM's entry for one token at one prompt position: `rank` is 1-based."""
-
-    logprob: float
-    rank: int | None
-    decoded_token: str
-
-
-# vLLM's `prompt_logprobs`: per prompt token (the first None), token id (a string) -> entry.
-PromptLogprobs = list[dict[str, PromptLogprob] | None]
-
-
-class CompletionChoice(_Response):
-    index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class CompletionResponse(_Response):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
-
-
-class TopLogprob(_Response):
-    token: str
-    logprob: float
-    bytes: list[int]
-
-
-class ChatTokenLogprob(TopLogprob):
-    top_logprobs: list[TopLogprob]
-
-
-class ChatLogprobs(_Response):
-    content: list[ChatTokenLogprob]
-
-
-class ResponseFunctionCall(_Response):
-    name: str
-    arguments: str
-
-
-class ResponseToolCall(_Response):
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunctionCall
-
-
-class ChatResponseMessage(_Response):
-    """`content` is None only when the message is tool calls alone; `reasoning_content`
-    is the model's reasoning (server/reasoning.py), left out when it has none."""
-
-    role: Literal["assistant"] = "assistant"
-    content: str | None
-    reasoning_content: str | None = None
-    tool_calls: list[ResponseToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_no_tool_calls(self, handler: Any) -> dict[str, Any]:
-        data = handler(self)
-        for key in ("reasoning_content", "tool_calls"):
-            if data.get(key) is None:
-                data.pop(key, None)
-        return data
-
-
-class DeltaToolCall(_Response):
-    """A streamed call: sent whole, in one delta, once its text is complete."""
-
-    index: int
-    id: str
-    type: Literal["function"] = "function"
-    function: ResponseFunctionCall
-
-
-class ChatChoice(_Response):
-    index: int
-    message: ChatResponseMessage
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(_Response):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[ChatChoice]
-    usage: Usage
-    prompt_logprobs: PromptLogprobs | None = None
-
-
-class ChatDelta(_Response):
-    role: Literal["assistant"] | None = None
-    content: str | None = None
-    reasoning_content: str | None = None
-    tool_calls: list[DeltaToolCall] | None = None
-
-    @model_serializer(mode="wrap")
-    def _omit_none(self, handler: Any) -> dict[str, Any]:
-        # OpenAI sends the role first, then `{"content": ...}`, and `{}` at the end.
-        return {key: value for key, value in handler(self).items() if value is not None}
-
-
-class ChatStreamChoice(_Response):
-    index: int
-    delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionChunk(_Response):
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatStreamChoice]
-    usage: Usage | None = None
-
-
-class ModelCard(_Response):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str = "pagedserve"
-    root: str
-    # unloaded, loading, loaded, sleeping or failed (server/model_pool.py: ModelState).
-    state: str
-    # A LoRA adapter's: the model it runs on (vLLM's field); None for a model.
-    parent: str | None = None
-    # Known once the model is loaded (None before).
-    max_model_len: int | None
-    # The defaults for sampling fields a request leaves out, in SamplingParams' names
-    # (engine/sampling/params.py); {}: SamplingParams' neutral ones; None until loaded.
-    default_sampling_params: dict[str, Any] | None
-
-
-class LoadLoRARequest(_Body):
-    """POST /v1/load_lora_adapter (vLLM's); `model`: the base model, default the first."""
-
-    lora_name: str = Field(min_length=1)
-    lora_path: str = Field(min_length=1)
-    model: str | None = None
-
-
-class UnloadLoRARequest(_Body):
-    """POST /v1/unload_lora_adapter (vLLM's)."""
-
-    lora_name: str = Field(min_length=1)
-    lora_path: str | None = None
-
-
-class ModelAction(_Body):
-    """POST /models/load and /models/unload: the model's name, as requests give it."""
-
-    model: str
-
-
-class ModelList(_Response):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class TokenizeResponse(_Response):
-    count: int
-    max_model_len: int
-    tokens: list[int]
-    token_strs: list[str] | None = None  # only when asked for: left out otherwise
-
-
-class DetokenizeResponse(_Response):
-    prompt: str

@@ -14,7 +14,7 @@ A parser is chosen per server (`reasoning_parser`; `auto` reads the chat templat
 A reply cut short before `</think>` is all reasoning. Whitespace around the reasoning and
 before the answer is dropped. Tool calls are read from the answer only, and structured
 outputs and forced tool calls hold the answer only (`answer_only`): the reasoning before
-it is free (server/chat.py, server/anthropic/).
+it is free (server/openai/chat.py, server/anthropic/).
 """
 
 from __future__ import annotations

@@ -14,7 +14,6 @@ from server.admission import Admission, max_queued
 from server.config import ServeConfig
 from server.metrics import ServerMetrics
 from server.model_pool import LLMFactory, ModelPool, ToolCallingFactory
-from server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from engine.snapshot import EngineStats
@@ -22,7 +21,7 @@ if TYPE_CHECKING:
 
 @dataclass(slots=True)
 class ServerState:
-    """The app's settings, metrics, admission, stored responses, and its models (one
+    """The app's settings, metrics, admission, and its models (one
     engine each, loaded and unloaded by `models`, server/model_pool.py)."""
 
     config: ServeConfig
@@ -36,7 +35,6 @@ class ServerState:
     # loops, such as the dashboard's history); registered before the app starts.
     background: list[Callable[[], Coroutine[Any, Any, None]]] = field(default_factory=list)
     api_keys: tuple[bytes, ...] = field(init=False, repr=False)
-    responses: ResponseStore = field(init=False)
 
     def __post_init__(self) -> None:
         self.models = ModelPool(self.config, self.llm_factory, self.tool_calling_factory)
@@ -48,7 +46,6 @@ class ServerState:
             self.metrics.requests_rejected.inc,
         )
         self.api_keys = tuple(key.encode() for key in self.config.api_keys())
-        self.responses = ResponseStore(self.config.response_store_path())
 
     def engine_stats(self) -> list[tuple[str, EngineStats]]:
         """Each loaded model's name and engine snapshot."""

@@ -23,6 +23,7 @@ from server.anthropic.protocol import (
     ThinkingOut,
     ToolUseOut,
 )
+from server.chat_protocol import ChatMessage, FunctionCall, ToolCall
 from server.conversation import (
     Conversation,
     Function,
@@ -31,7 +32,6 @@ from server.conversation import (
     ToolRequest,
     render,
 )
-from server.protocol import ChatMessage, FunctionCall, ToolCall
 
 if TYPE_CHECKING:
     from collections.abc import Callable

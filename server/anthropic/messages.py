@@ -3,7 +3,7 @@
 A thin adapter over the chat path: the conversation becomes chat messages and tools
 (server/anthropic/conversation.py), rendered by the same chat template on the engine's
 intake thread, sampled under the same grammar of tool calls and the same admission,
-deadline and stop handling (server/handling.py); the reply's text is split into
+deadline and stop handling (server/generation.py); the reply's text is split into
 thinking (server/reasoning.py), text and tool uses, as JSON or as Anthropic's events.
 """
 
@@ -32,7 +32,7 @@ from server.anthropic.protocol import (
 from server.auth import keyed_router
 from server.conversation import OfferedTools
 from server.errors import OpenAIError, engine_failure, invalid_request, user_errors
-from server.handling import Handling, final_outputs, generate, json_response, new_request_id
+from server.generation import Handling, final_outputs, generate, json_response, new_request_id
 from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.reasoning import ReasoningSyntax, split_reasoning
 

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling.params import StructuredOutputs
+from server.chat_protocol import ChatMessage, ResponseFunctionCall, ResponseToolCall
 from server.conversation import ToolRequest, plain_message
-from server.protocol import ChatMessage, ResponseFunctionCall, ResponseToolCall
 from server.tools.call_formats import ParsedToolCall, ToolCallFormat, ToolCallStream, choose_format
 from server.tools.call_formats import template_takes_tools as takes_tools
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from server.response_store import ResponseStore, ResponseStoreError
+from server.responses.store import ResponseStore, ResponseStoreError
 
 RESPONSE = {"id": "resp_1", "created_at": 1, "output": [{"type": "message", "text": "é"}]}
 CONVERSATION = [{"type": "message", "role": "user", "content": "hi"}]

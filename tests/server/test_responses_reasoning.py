@@ -21,8 +21,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.errors import OpenAIError
 from server.reasoning import END, ReasoningSyntax, reasoning_tokens
-from server.responses_input import thinking_variables
-from server.responses_protocol import ResponsesRequest
+from server.responses.input import thinking_variables
+from server.responses.protocol import ResponsesRequest
 from tests.server.conftest import QWEN3_TEMPLATE, client, live_server, tiny_config
 from tests.tiny_models import CHAT_TEMPLATE
 

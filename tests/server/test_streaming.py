@@ -1,4 +1,4 @@
-"""The streaming machinery of server/handling.py, directly: `sse` framing, `SSEResponse`
+"""The streaming machinery of server/streaming.py, directly: `sse` framing, `SSEResponse`
 over a real HTTP stream, and `merge_streams`' ordering, errors and cancellation."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from server.handling import DONE, SSEResponse, merge_streams, sse
+from server.streaming import DONE, SSEResponse, merge_streams, sse
 
 
 class Chunk(BaseModel):

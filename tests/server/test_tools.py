@@ -18,8 +18,8 @@ import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
 
+from server.chat_protocol import ChatCompletionRequest, ChatMessage
 from server.conversation import Function, ToolRequest
-from server.protocol import ChatCompletionRequest, ChatMessage
 from server.tools.call_formats import (
     HermesFormat,
     Llama3JsonFormat,

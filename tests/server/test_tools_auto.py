@@ -26,8 +26,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine import LLM, SamplingParams
 from engine.request.intake import SpecialTokens
 from engine.sampling.params import StructuredOutputs
+from server.chat_protocol import ChatCompletionRequest
 from server.conversation import ToolRequest
-from server.protocol import ChatCompletionRequest
 from server.tools.call_formats import HermesFormat, Llama3JsonFormat
 from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config

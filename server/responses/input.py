@@ -17,10 +17,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from server.chat_protocol import ChatCompletionRequest
 from server.errors import invalid_request
-from server.protocol import ChatCompletionRequest
 from server.reasoning import ReasoningSyntax
-from server.responses_protocol import (
+from server.responses.protocol import (
     INPUT_ITEMS,
     FunctionCallItem,
     FunctionCallOutputItem,

@@ -13,17 +13,33 @@ from __future__ import annotations
 
 from fastapi import Request
 from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from engine.errors import AdapterError
 from server.auth import keyed_router
 from server.errors import OpenAIError
 from server.openapi import INVALID, documented
-from server.protocol import LoadLoRARequest, UnloadLoRARequest
+from server.protocol import RequestBody
 from server.state import ServerState, server_state
 
 router = keyed_router()
 # A load's or an unload's answer: one line of text, as vLLM's.
 _ANSWERS = documented(None, *INVALID, 404, 503, media_type="text/plain")
+
+
+class LoadLoRARequest(RequestBody):
+    """POST /v1/load_lora_adapter (vLLM's); `model`: the base model, default the first."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    model: str | None = None
+
+
+class UnloadLoRARequest(RequestBody):
+    """POST /v1/unload_lora_adapter (vLLM's)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str | None = None
 
 
 def _state(request: Request) -> ServerState:

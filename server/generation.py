@@ -4,12 +4,12 @@ and its epilogue.
 Chat completions, completions, Anthropic's messages and the Responses API differ in their
 request and reply shapes only. Each begins with `Handling.begin` (the request's deadline;
 its model, or a 404, loaded if need be and held until the response is sent; its engine,
-or a 503), checks the tools' count, builds a
-chat-shaped prompt from its `Conversation` (server/conversation.py) with `chat_prompt`
-(the grammar of tool calls or structured outputs held to the answer after any reasoning,
-the prompt rendered by the chat template or forwarded by the scale-out ingress), and
-ends with `stream` or `run` (admission, then a stream or the whole reply, aborted when
-the client goes away).
+or a 503), checks the tools' count, builds a chat-shaped prompt from its `Conversation`
+(server/conversation.py) with `chat_prompt` (the grammar of tool calls or structured
+outputs held to the answer after any reasoning, the prompt rendered by the chat template
+or forwarded by the scale-out ingress), and ends with `stream` (server-sent events,
+server/streaming.py) or `run` (the whole reply), after admission; the client's going
+away aborts either.
 
 In between, `generate` runs the prompts of one API request on the engine: one engine
 request per prompt, with ids `<request id>-<prompt index>`, and a request's choice
@@ -23,29 +23,19 @@ A prompt forwarded by the scale-out ingress comes in the request's ASGI scope st
 replica's own tokenizer to route it, and the replica takes that `RenderedPrompt` instead
 of doing the work again. Only code in the same process can put it there: no HTTP request
 can set a scope's state.
-
-A stream leaves as server-sent events (`sse`, `SSEResponse`). Starlette stops iterating a
-stream when the client disconnects (it cancels the iteration, or the next send fails), but
-it never closes the abandoned async generator, which would leave the engine request
-running until garbage collection. `SSEResponse` closes it itself, so the engine
-generators inside are closed and their requests aborted at once.
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import json
 import uuid
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Coroutine, Sequence
+from collections.abc import AsyncGenerator, Callable, Coroutine, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request, Response
 from pydantic import BaseModel
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from engine.request.intake import ChatTemplateError, RenderedPrompt
 from server.admission import Deadline, request_deadline
@@ -55,6 +45,7 @@ from server.errors import request_id as http_request_id
 from server.protocol import PromptTokensDetails, Usage
 from server.reasoning import ReasoningSyntax, answer_only
 from server.state import ServerState, server_state
+from server.streaming import SSEResponse, merge_streams, next_before
 
 if TYPE_CHECKING:
     from engine.async_llm import AsyncLLM
@@ -62,7 +53,7 @@ if TYPE_CHECKING:
     from engine.request.intake import EngineRequest
     from engine.sampling.params import SamplingParams
     from server.conversation import Conversation
-    from server.model_pool import ServedModel
+    from server.served_model import ServedModel
 
 
 T = TypeVar("T")
@@ -168,41 +159,6 @@ def rendered_prompt(request: Request) -> RenderedPrompt | None:
     return prompt if isinstance(prompt, RenderedPrompt) else None
 
 
-DONE = "data: [DONE]\n\n"
-
-
-def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One `data:` event; JSON never holds a raw newline, so one line always suffices."""
-    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
-
-
-class SSEResponse(StreamingResponse):
-    """A text/event-stream response over an async generator of already framed events."""
-
-    media_type = "text/event-stream"
-
-    def __init__(
-        self, events: AsyncGenerator[str, None], on_close: Callable[[], None] | None = None
-    ) -> None:
-        """`on_close` runs once the response is over, however it ended (even when the
-        generator never started, so its own `finally` never ran)."""
-        # Proxies must not buffer a token stream.
-        super().__init__(events, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self._events = events
-        self._on_close = on_close
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._events.aclose()
-            finally:
-                if self._on_close is not None:
-                    self._on_close()
-
-
 def new_request_id(prefix: str) -> str:
     """A fresh id: engine ids must be unique among live requests, whatever clients send."""
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -230,7 +186,7 @@ async def generate(
     async with aclosing(merge_streams(streams)) as merged:
         while True:
             try:
-                index, output = await _next_before(merged, deadline)
+                index, output = await next_before(merged, deadline)
             except StopAsyncIteration:
                 return
             except TimeoutError:
@@ -250,18 +206,6 @@ async def generate(
                 state.metrics.observe_finished(name, whole)
                 state.admission.record_finished(len(whole.outputs))
             yield index, output, whole
-
-
-async def _next_before(items: AsyncIterator[T], deadline: Deadline | None) -> T:
-    """The next item, or TimeoutError once `deadline` has passed. On a timeout while
-    waiting, the cancellation reaches `items`, which ends (a `merge_streams` aborts)."""
-    if deadline is None:
-        return await anext(items)
-    remaining = deadline.remaining()
-    if remaining <= 0:
-        raise TimeoutError
-    async with asyncio.timeout(remaining):
-        return await anext(items)
 
 
 async def final_outputs(
@@ -284,44 +228,3 @@ def count_usage(outputs: Sequence[RequestOutput]) -> Usage:
         total_tokens=prompt_tokens + completion_tokens,
         prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
     )
-
-
-@dataclass(slots=True)
-class _Ended:
-    error: Exception | None
-
-
-async def merge_streams(streams: Sequence[AsyncIterator[T]]) -> AsyncGenerator[tuple[int, T], None]:
-    """Yield `(index of the stream, item)` from all `streams` concurrently.
-
-    Each stream is consumed by its own task. When this generator ends (exhausted, closed,
-    cancelled, or re-raising the first error of a stream) every task has been cancelled
-    and awaited, so each stream still running has seen the cancellation: an engine
-    stream aborts its request then.
-    """
-    arrivals: asyncio.Queue[tuple[int, T] | _Ended] = asyncio.Queue()
-
-    async def pump(index: int, stream: AsyncIterator[T]) -> None:
-        try:
-            async for item in stream:
-                arrivals.put_nowait((index, item))
-        except Exception as exc:
-            arrivals.put_nowait(_Ended(exc))
-        else:
-            arrivals.put_nowait(_Ended(None))
-
-    tasks = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(streams)]
-    try:
-        running = len(tasks)
-        while running:
-            arrival = await arrivals.get()
-            if isinstance(arrival, _Ended):
-                if arrival.error is not None:
-                    raise arrival.error
-                running -= 1
-            else:
-                yield arrival
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,11 +1,11 @@
 """POST /v1/responses (OpenAI's Responses API), and GET and DELETE of a stored response.
 
 A thin adapter over chat's path: the request becomes the chat completion request that
-asks the same (`responses_input.as_chat_request`), rendered by the chat template and run
+asks the same (`input.as_chat_request`), rendered by the chat template and run
 with chat's tool grammar and parser, on the one engine path (intake, admission, the
 sample's stops, sampling). What differs is the shape of the answer: output items and
-their stream events (`responses_output.Reply`), and the state: a response is kept
-(`store`, true unless false) in the SQLite store of `server.response_store`, for later
+their stream events (`output.Reply`), and the state: a response is kept
+(`store`, true unless false) in the SQLite store of `store.py`, made with the app, for later
 requests' `previous_response_id` and for GET, as its API key's alone.
 """
 
@@ -25,12 +25,12 @@ from engine.errors import EngineError
 from server.auth import key_owner, keyed_router
 from server.conversation import OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, user_errors
-from server.handling import Handling, count_usage, final_outputs, generate, json_response
+from server.generation import Handling, count_usage, final_outputs, generate, json_response
 from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.reasoning import ReasoningSyntax, reasoning_tokens, split_reasoning
-from server.responses_input import as_chat_request, stored_items, thinking_variables
-from server.responses_output import Event, Reply, new_item_id
-from server.responses_protocol import (
+from server.responses.input import as_chat_request, stored_items, thinking_variables
+from server.responses.output import Event, Reply, new_item_id
+from server.responses.protocol import (
     DeletedResponse,
     FunctionChoice,
     IncompleteDetails,
@@ -43,7 +43,7 @@ from server.responses_protocol import (
     ResponsesRequest,
     ResponseUsage,
 )
-from server.state import server_state
+from server.responses.store import response_store
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput
@@ -67,11 +67,11 @@ _STREAM = (
 )
 async def create_response(body: ResponsesRequest, request: Request) -> Response:
     handling = await Handling.begin(request, body.model, body.keep_alive)
-    state, llm = handling.state, handling.llm
+    llm = handling.llm
     owner = key_owner(request)
     earlier: list[InputItem] = []
     if body.previous_response_id is not None:
-        stored = await state.responses.get(owner, body.previous_response_id)
+        stored = await response_store(request).get(owner, body.previous_response_id)
         if stored is None:
             raise _not_found(body.previous_response_id, "previous_response_id")
         earlier = stored_items(stored.conversation, stored.response["output"])
@@ -108,7 +108,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     "/v1/responses/{response_id}", response_model=None, responses=documented(ResponseObject, 404)
 )
 async def get_response(response_id: str, request: Request) -> Response:
-    stored = await server_state(request).responses.get(key_owner(request), response_id)
+    stored = await response_store(request).get(key_owner(request), response_id)
     if stored is None:
         raise _not_found(response_id, None)
     return JSONResponse(stored.response)
@@ -120,7 +120,7 @@ async def get_response(response_id: str, request: Request) -> Response:
     responses=documented(DeletedResponse, 404),
 )
 async def delete_response(response_id: str, request: Request) -> Response:
-    if not await server_state(request).responses.delete(key_owner(request), response_id):
+    if not await response_store(request).delete(key_owner(request), response_id):
         raise _not_found(response_id, None)
     return json_response(DeletedResponse(id=response_id))
 
@@ -208,7 +208,7 @@ class _Turn:
             item.model_dump(mode="json", by_alias=True, exclude_none=True)
             for item in self.conversation
         ]
-        await self.handling.state.responses.put(
+        await response_store(self.handling.request).put(
             self.owner, response.model_dump(mode="json"), conversation
         )
 

@@ -8,9 +8,10 @@ from fastapi import Request
 
 from engine.pooling.async_pooler import AsyncPooler
 from server.auth import keyed_router
-from server.model_pool import ServedModel
+from server.openai.protocol import ModelAction, ModelCard, ModelList
 from server.openapi import INVALID, documented
-from server.protocol import ModelAction, ModelCard, ModelList, ResponseModel
+from server.protocol import ResponseModel
+from server.served_model import ServedModel
 from server.state import server_state
 
 router = keyed_router()

@@ -18,9 +18,9 @@ import uuid
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from server.protocol import ResponseToolCall
+from server.chat_protocol import ResponseToolCall
 from server.reasoning import ReasoningStream
-from server.responses_protocol import (
+from server.responses.protocol import (
     ItemStatus,
     OutputFunctionCall,
     OutputItem,

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+from fastapi import Request
+
 T = TypeVar("T")
 
 # The schema's version, in SQLite's `user_version`; a file of another version is refused.
@@ -143,3 +145,9 @@ class ResponseStore:
             (response_id, owner),
         )
         return cursor.fetchone()
+
+
+def response_store(request: Request) -> ResponseStore:
+    """The app's store, made and opened with the app (server/app.py)."""
+    store: ResponseStore = request.app.state.responses
+    return store

@@ -20,8 +20,7 @@ from fastapi import Request, Response
 from engine.errors import EngineError
 from server.auth import keyed_router
 from server.errors import OpenAIError, engine_failure, error_body, user_errors
-from server.handling import (
-    DONE,
+from server.generation import (
     Handling,
     count_usage,
     final_outputs,
@@ -29,17 +28,17 @@ from server.handling import (
     json_response,
     new_request_id,
     rendered_prompt,
-    sse,
 )
-from server.logprobs import CompletionLogprobsFormatter, joined, prompt_logprobs
-from server.openapi import ADMITTED, INVALID, MODEL, documented
-from server.protocol import (
+from server.openai.logprobs import CompletionLogprobsFormatter, joined, prompt_logprobs
+from server.openai.protocol import (
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
-    Usage,
 )
+from server.openapi import ADMITTED, INVALID, MODEL, documented
+from server.protocol import Usage
+from server.streaming import DONE, sse
 
 if TYPE_CHECKING:
     from engine.outputs import CompletionOutput, RequestOutput

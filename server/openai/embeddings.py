@@ -25,9 +25,8 @@ from server.admission import Deadline, request_deadline
 from server.auth import keyed_router
 from server.disconnect import cancel_on_disconnect
 from server.errors import deadline_exceeded, invalid_request
-from server.handling import json_response
-from server.openapi import ADMITTED, INVALID, MODEL, documented
-from server.pooling_protocol import (
+from server.generation import json_response
+from server.openai.pooling_protocol import (
     Embedding,
     EmbeddingRequest,
     EmbeddingResponse,
@@ -41,6 +40,7 @@ from server.pooling_protocol import (
     ScoreRequest,
     ScoreResponse,
 )
+from server.openapi import ADMITTED, INVALID, MODEL, documented
 from server.state import server_state
 
 router = keyed_router()

@@ -14,14 +14,14 @@ from engine.request.intake import ChatTemplateError
 from server.auth import keyed_router
 from server.conversation import render
 from server.errors import invalid_request, user_errors
-from server.handling import Handling
-from server.openapi import INVALID, MODEL, documented
-from server.protocol import (
+from server.generation import Handling
+from server.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     TokenizeRequest,
     TokenizeResponse,
 )
+from server.openapi import INVALID, MODEL, documented
 from server.state import server_state
 
 router = keyed_router()

@@ -16,34 +16,32 @@ from fastapi import Request, Response
 
 from engine.errors import EngineError
 from server.auth import keyed_router
+from server.chat_protocol import ChatCompletionRequest, ResponseToolCall
 from server.conversation import CallStream, OfferedTools, ToolRequest, render
 from server.errors import OpenAIError, engine_failure, error_body, invalid_request, user_errors
-from server.handling import (
-    DONE,
+from server.generation import (
     Handling,
     count_usage,
     final_outputs,
     generate,
     json_response,
     new_request_id,
-    sse,
 )
-from server.logprobs import chat_logprobs, prompt_logprobs
-from server.openapi import ADMITTED, INVALID, MODEL, documented
-from server.protocol import (
+from server.openai.logprobs import chat_logprobs, prompt_logprobs
+from server.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatDelta,
     ChatLogprobs,
     ChatResponseMessage,
     ChatStreamChoice,
     DeltaToolCall,
-    ResponseToolCall,
-    Usage,
 )
+from server.openapi import ADMITTED, INVALID, MODEL, documented
+from server.protocol import Usage
 from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
+from server.streaming import DONE, sse
 
 if TYPE_CHECKING:
     from engine.outputs import RequestOutput, TokenLogprobs

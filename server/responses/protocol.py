@@ -3,7 +3,7 @@
 response object (constructed).
 
 Supported: `input` as text or as items (messages, function calls and their outputs,
-reasoning), `reasoning` (checked against the served model by `server.responses_input`),
+reasoning), `reasoning` (checked against the served model by `server.responses.input`),
 `instructions`, function `tools` with `tool_choice` and
 `parallel_tool_calls`, `text.format` (text, json_object, json_schema),
 `max_output_tokens`, `temperature`, `top_p`, `stream`, `store`, `previous_response_id`,
@@ -19,15 +19,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, TypeAdapter, model_validator
 
+from server.chat_protocol import FunctionDefinition
 from server.config import KeepAlive
-from server.protocol import (
-    FunctionDefinition,
-    RequestBody,
-    RequestModel,
-    ResponseModel,
-    check_type,
-    field_error,
-)
+from server.protocol import RequestBody, RequestModel, ResponseModel, check_type, field_error
 
 # Responses fields that would change the output and that this server does not implement:
 # a 400 "not supported" with the reason, unless sent as null.
@@ -195,7 +189,7 @@ class TextFormat(RequestModel):
 
 class ReasoningConfig(RequestModel):
     """`reasoning`. Invariant: it asks for no summary (none is written); whether the served
-    model can honour the rest is checked at request time (`responses_input`)."""
+    model can honour the rest is checked at request time (`input.py`)."""
 
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     summary: Literal["auto", "concise", "detailed"] | None = None

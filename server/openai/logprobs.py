@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from server.protocol import (
+from server.openai.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
