@@ -8,7 +8,7 @@ the model sees exactly the format it was trained on.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -44,7 +44,7 @@ from server.reasoning import ReasoningStream, ReasoningSyntax, split_reasoning
 from server.streaming import DONE, sse
 
 if TYPE_CHECKING:
-    from engine.outputs import RequestOutput, TokenLogprobs
+    from engine.outputs import CompletionOutput, RequestOutput, TokenLogprobs
     from engine.request.intake import EngineRequest
 
 router = keyed_router()
@@ -174,25 +174,8 @@ class _Chat:
                     if completion.finish_reason is None:
                         continue
                     finished.add(completion.index)
-                    reasoning, rest = ("", "") if thought is None else thought.finish()
-                    calls: list[ResponseToolCall] = []
-                    if stream is not None:
-                        rest = stream.feed(rest)
-                        more, calls = stream.finish()
-                        rest += more
-                    if reasoning or rest:
-                        delta = _text_delta(reasoning, rest)
-                        choice = ChatStreamChoice(index=completion.index, delta=delta)
-                        yield sse(self._chunk(choice))
-                    if calls:
-                        yield sse(self._chunk(self._tool_call_delta(completion.index, calls)))
-                    choice = ChatStreamChoice(
-                        index=completion.index,
-                        delta=ChatDelta(),
-                        finish_reason=_finish_reason(completion.finish_reason, calls),
-                        stop_reason=completion.stop_reason,
-                    )
-                    yield sse(self._chunk(choice))
+                    for event in self._choice_end(completion, stream, thought):
+                        yield event
         except EngineError as exc:
             yield sse(error_body(engine_failure(http_id, exc)))
             yield DONE
@@ -205,6 +188,33 @@ class _Chat:
             assert whole is not None, "the engine's last output is always a finished one"
             yield sse(self._chunk(None, count_usage([whole])))
         yield DONE
+
+    def _choice_end(
+        self,
+        completion: CompletionOutput,
+        stream: CallStream | None,
+        thought: ReasoningStream | None,
+    ) -> Iterator[str]:
+        """The events that end a choice: the reasoning and text held back, its calls, and
+        an empty delta with the finish_reason."""
+        reasoning, rest = ("", "") if thought is None else thought.finish()
+        calls: list[ResponseToolCall] = []
+        if stream is not None:
+            rest = stream.feed(rest)
+            more, calls = stream.finish()
+            rest += more
+        if reasoning or rest:
+            delta = _text_delta(reasoning, rest)
+            yield sse(self._chunk(ChatStreamChoice(index=completion.index, delta=delta)))
+        if calls:
+            yield sse(self._chunk(self._tool_call_delta(completion.index, calls)))
+        choice = ChatStreamChoice(
+            index=completion.index,
+            delta=ChatDelta(),
+            finish_reason=_finish_reason(completion.finish_reason, calls),
+            stop_reason=completion.stop_reason,
+        )
+        yield sse(self._chunk(choice))
 
     def _tool_streams(self) -> dict[int, CallStream]:
         """Per choice, the splitter of its text into content and calls (if tools are on)."""

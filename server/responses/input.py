@@ -84,9 +84,37 @@ def as_chat_request(
     `first_new` on are the request's `input`, with the chat template's `variables`
     (`thinking_variables`). A 400 names the input item at fault: an output whose call is
     nowhere before it, a call no output after it answers, or an empty conversation."""
+    messages = _chat_messages(body.instructions, items, first_new)
+    if not messages:
+        raise invalid_request("input: the conversation is empty: give a message", "input")
+    return ChatCompletionRequest.model_validate(
+        {
+            "model": body.model,
+            "messages": messages,
+            "n": 1,
+            "max_completion_tokens": body.max_output_tokens,
+            "temperature": body.temperature,
+            "top_p": body.top_p,
+            "tools": _chat_tools(body),
+            "tool_choice": _chat_tool_choice(body.tool_choice),
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "response_format": _response_format(body),
+            "priority": body.priority,
+            "chat_template_kwargs": variables,
+        }
+    )
+
+
+def _chat_messages(
+    instructions: str | None, items: list[InputItem], first_new: int
+) -> list[dict[str, Any]]:
+    """The chat messages of `instructions` and the conversation `items` (those from
+    `first_new` on are the request's `input`): consecutive calls join one assistant
+    message; a 400 for an output whose call is nowhere before it or a call no output
+    after it answers."""
     messages: list[dict[str, Any]] = []
-    if body.instructions is not None:
-        messages.append({"role": "system", "content": body.instructions})
+    if instructions is not None:
+        messages.append({"role": "system", "content": instructions})
     calls: dict[str, int] = {}  # call_id -> the index of its call, while unanswered
     answered: set[str] = set()
     for index, item in enumerate(items):
@@ -116,24 +144,7 @@ def as_chat_request(
     if calls:
         call_id, index = next(iter(calls.items()))
         raise _unanswered(call_id, index - first_new)
-    if not messages:
-        raise invalid_request("input: the conversation is empty: give a message", "input")
-    return ChatCompletionRequest.model_validate(
-        {
-            "model": body.model,
-            "messages": messages,
-            "n": 1,
-            "max_completion_tokens": body.max_output_tokens,
-            "temperature": body.temperature,
-            "top_p": body.top_p,
-            "tools": _chat_tools(body),
-            "tool_choice": _chat_tool_choice(body.tool_choice),
-            "parallel_tool_calls": body.parallel_tool_calls,
-            "response_format": _response_format(body),
-            "priority": body.priority,
-            "chat_template_kwargs": variables,
-        }
-    )
+    return messages
 
 
 def _unanswered(call_id: str, position: int) -> Exception:

@@ -46,7 +46,7 @@ from server.responses.protocol import (
 from server.responses.store import response_store
 
 if TYPE_CHECKING:
-    from engine.outputs import RequestOutput
+    from engine.outputs import CompletionOutput, RequestOutput
     from engine.request.intake import EngineRequest
 
 router = keyed_router()
@@ -182,11 +182,8 @@ class _Turn:
             async for _, delta, latest in generate(self.handling, [self.prompt], self.response_id):
                 whole = latest
                 for completion in delta.outputs:
-                    for event in reply.feed(completion.text):
+                    for event in _completion_events(reply, completion):
                         yield numbered.sse(event)
-                    if completion.finish_reason is not None:
-                        for event in reply.finish(completion):
-                            yield numbered.sse(event)
         except EngineError as exc:
             failed = self._failed(output.items, engine_failure(http_id, exc), "server_error")
             yield numbered.sse({"type": "response.failed", "response": failed})
@@ -305,3 +302,11 @@ def _as_json(value: Any) -> Any:
     if isinstance(value, BaseModel):
         return value.model_dump(mode="json")
     return value
+
+
+def _completion_events(reply: Reply, completion: CompletionOutput) -> list[Event]:
+    """The events of a completion's new text, and of its end once it finished."""
+    events = list(reply.feed(completion.text))
+    if completion.finish_reason is not None:
+        events += reply.finish(completion)
+    return events
