@@ -1,6 +1,7 @@
-"""The Ray Serve ingress over two tiny replicas: the server's own conformance tests of
-/v1/completions and /v1/chat/completions (collected here again, against the ingress),
-prefix affinity, disconnects, and a replica killed mid-stream."""
+"""The Ray Serve ingress over two tiny replicas: prefix affinity, disconnects, and a
+replica killed mid-stream. (The server's conformance tests of /v1/completions,
+/v1/chat/completions and errors run against the ingress too: `RAY_INGRESS` in
+tests/server/conftest.py.)"""
 
 from __future__ import annotations
 
@@ -15,20 +16,17 @@ import pytest
 
 pytest.importorskip("ray")
 
-from tests.scale_out.conftest import REPLICAS, deployed, replica_metrics
 from tests.server.conftest import client, tiny_config
-from tests.server.test_chat import *  # noqa: F403 (the server's tests, run here too)
-from tests.server.test_completions import *  # noqa: F403
+from tests.support.ray_serve import REPLICAS, deployed, replica_metrics
 
-pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("tiny_server")]
+pytestmark = pytest.mark.ray
 
 REPLICA_HEADER = "x-pagedserve-replica"
 
 
 @pytest.fixture(scope="module")
 def tiny_server(serve_url: str, tiny_model_paths: dict[str, Path]) -> Iterator[str]:
-    """The ingress over two replicas of the tiny Llama served as 'tiny', for the
-    server's tests that take `tiny_server`."""
+    """The ingress over two replicas of the tiny Llama served as 'tiny'."""
     config = tiny_config(tiny_model_paths["llama"], served_model_name="tiny")
     with deployed(serve_url, config) as url:
         yield url

@@ -24,6 +24,7 @@ from engine.config import EngineConfig
 from server.app import build_app
 from server.config import ServeConfig
 from server.reasoning import END, START
+from tests.support.ray_serve import ingress
 from tests.tiny_models import build_model
 
 # The first default-model server of a run compiles its forward: 90 s on an idle 2-core CPU,
@@ -101,24 +102,42 @@ def client(url: str, api_key: str = "unused") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{url}/v1", api_key=api_key, max_retries=0, timeout=60)
 
 
+@contextmanager
+def served(config: ServeConfig, where: object = None) -> Iterator[str]:
+    """`config` served until the block exits, by a live server, or behind the Ray Serve
+    ingress over two replicas when `where` is `RAY_INGRESS`'s value; its URL."""
+    if where == "ray-ingress":
+        pytest.importorskip("ray")
+        with ingress(config) as url:
+            yield url
+    else:
+        with live_server(config) as url:
+            yield url
+
+
 @pytest.fixture(scope="module")
 def tiny_server(tiny_model_paths: dict[str, Path], request: pytest.FixtureRequest) -> Iterator[str]:
     """One server on the tiny Llama for the whole test module; its served name is 'tiny'.
-    A module marked `BOTH_STEP_ORDERS` gets one with each `async_scheduling` in turn."""
+    A module parametrized by `SYNC`, `ASYNC_SCHEDULING` and `RAY_INGRESS` gets one of each
+    in turn."""
+    where = getattr(request, "param", None)
+    steps = where if isinstance(where, bool) else None
     config = tiny_config(
-        tiny_model_paths["llama"],
-        served_model_name="tiny",
-        async_scheduling=getattr(request, "param", None),
+        tiny_model_paths["llama"], served_model_name="tiny", async_scheduling=steps
     )
-    with live_server(config) as url:
+    with served(config, where) as url:
         yield url
 
 
-# A module's tests against a server with synchronous steps (the CPU's) and one with async
-# scheduling (CUDA's default, where a step launches the next before it makes its outputs).
-BOTH_STEP_ORDERS = pytest.mark.parametrize(
-    "tiny_server", [False, True], ids=["sync", "async-scheduling"], indirect=True
-)
+# The ways a module's tests may be served: synchronous steps (the CPU's), async
+# scheduling (CUDA's default, where a step launches the next before it makes its
+# outputs), and the Ray Serve ingress over two replicas (the server's conformance tests,
+# run against scale-out too; a cluster of its own per module).
+SYNC = pytest.param(False, id="sync")
+ASYNC_SCHEDULING = pytest.param(True, id="async-scheduling")
+SERVER = pytest.param(None, id="server")
+RAY_INGRESS = pytest.param("ray-ingress", id="ray-ingress", marks=pytest.mark.ray)
+BOTH_STEP_ORDERS = pytest.mark.parametrize("tiny_server", [SYNC, ASYNC_SCHEDULING], indirect=True)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server.conftest import client, live_server, tiny_config
+from tests.server.conftest import RAY_INGRESS, SERVER, client, served, tiny_config
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -18,10 +18,14 @@ COMPLETION = {"model": "tiny", "prompt": "Hello", "max_tokens": 2}
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 
-@pytest.fixture(scope="module")
-def keyed_server(tiny_model_paths: dict[str, Path]) -> Iterator[str]:
+@pytest.fixture(scope="module", params=[SERVER, RAY_INGRESS])
+def keyed_server(
+    tiny_model_paths: dict[str, Path], request: pytest.FixtureRequest
+) -> Iterator[str]:
+    """The tiny Llama requiring `KEY`, served by a live server and behind the Ray Serve
+    ingress in turn."""
     config = tiny_config(tiny_model_paths["llama"], served_model_name="tiny", api_key=KEY)
-    with live_server(config) as url:
+    with served(config, request.param) as url:
         yield url
 
 

@@ -6,17 +6,15 @@ through a live server on the tiny model, in every tool mode."""
 
 from __future__ import annotations
 
-import enum
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any
 
 import jsonschema
 import llguidance
 import openai
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
 
 from server.chat_protocol import ChatCompletionRequest, ChatMessage
 from server.conversation import Function, ToolRequest
@@ -29,6 +27,21 @@ from server.tools.call_formats import (
 )
 from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
+from tests.support.tool_schemas import (
+    A_MOVE,
+    A_PAINT,
+    A_REFILL,
+    ASK_PAINT,
+    MOVE,
+    PAINT,
+    REFILL,
+    TOOLS,
+    Color,
+    Paint,
+    calls_and_finish_reason,
+    valid_call,
+    walks,
+)
 
 WEATHER = Function(
     "get_weather",
@@ -194,83 +207,6 @@ def test_tool_messages_are_checked() -> None:
         )
 
 
-class Color(enum.Enum):
-    RED = "red"
-    GREEN = "green"
-
-
-class Point(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    x: int = Field(ge=0, le=99)
-    y: int = Field(ge=0, le=99)
-
-
-class Circle(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["circle"]
-    center: Point
-    radius: int = Field(ge=1, le=9)
-
-
-class Square(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    kind: Literal["square"]
-    corner: Point
-
-
-class Paint(BaseModel):
-    """Paint a shape."""
-
-    model_config = ConfigDict(extra="forbid")
-    color: Color  # $ref to an enum
-    shape: Annotated[Circle | Square, Field(discriminator="kind")]  # oneOf of $refs
-    path: list[Point] = Field(max_length=3)  # a list of models
-    anchor: Point | Square  # anyOf of $refs
-    label: str | None = Field(default=None, max_length=8)  # optional
-
-
-class Ink:
-    class Color(enum.Enum):  # a second `$defs/Color`, of other values
-        CYAN = "cyan"
-        MAGENTA = "magenta"
-
-
-class Refill(BaseModel):
-    """Refill an ink."""
-
-    model_config = ConfigDict(extra="forbid")
-    color: Ink.Color
-    amount: int = Field(ge=1, le=5)
-
-
-MODELS: dict[str, type[BaseModel]] = {"paint": Paint, "refill": Refill}
-PAINT = Function("paint", Paint.__doc__, Paint.model_json_schema())
-REFILL = Function("refill", Refill.__doc__, Refill.model_json_schema())
-# Pointers Pydantic does not write: draft-7 `definitions`, and into `properties`.
-MOVE = Function(
-    "move",
-    None,
-    {
-        "definitions": {"Step": {"type": "integer", "minimum": 1, "maximum": 3}},
-        "type": "object",
-        "properties": {
-            "first": {"$ref": "#/definitions/Step"},
-            "then": {"type": "array", "items": {"$ref": "#/properties/first"}, "maxItems": 2},
-        },
-        "required": ["first", "then"],
-        "additionalProperties": False,
-    },
-)
-A_PAINT = Paint(
-    color=Color.GREEN,
-    shape=Circle(kind="circle", center=Point(x=1, y=2), radius=3),
-    path=[Point(x=0, y=0), Point(x=4, y=5)],
-    anchor=Square(kind="square", corner=Point(x=9, y=9)),
-).model_dump(mode="json")
-A_REFILL = {"color": "cyan", "amount": 2}
-A_MOVE = {"first": 2, "then": [1, 3]}
-
-
 def test_the_pydantic_tools_share_a_defs_name_with_different_content() -> None:
     paint, refill = PAINT.parameters["$defs"]["Color"], REFILL.parameters["$defs"]["Color"]
     assert paint["enum"] == ["red", "green"] and refill["enum"] == ["cyan", "magenta"]
@@ -324,10 +260,6 @@ def test_forced_call_grammars_refuse_what_the_tools_schema_refuses(
     assert not walks(grammar, tool_format.render_call(name, arguments))
 
 
-ASK_PAINT = [{"role": "user", "content": "Paint a green circle, then refill the cyan ink."}]
-TOOLS = [PAINT.as_openai(), REFILL.as_openai()]
-
-
 @pytest.fixture(scope="module")
 def api(tiny_model_paths: dict[str, Path]) -> Iterator[openai.OpenAI]:
     """The tiny Llama (its template ignores tools: they are described in a system message,
@@ -338,21 +270,6 @@ def api(tiny_model_paths: dict[str, Path]) -> Iterator[openai.OpenAI]:
     )  # fmt: skip
     with live_server(config) as url:
         yield client(url)
-
-
-def calls_and_finish_reason(reply: Any, stream: bool) -> tuple[list[Any], str]:
-    """The tool calls and the finish reason of a one-choice reply, streamed or not."""
-    if stream:
-        chunks = [chunk for chunk in reply if chunk.choices]
-        calls = [c for chunk in chunks for c in chunk.choices[0].delta.tool_calls or []]
-        return calls, chunks[-1].choices[0].finish_reason
-    return reply.choices[0].message.tool_calls or [], reply.choices[0].finish_reason
-
-
-def valid_call(name: str, arguments: str) -> None:
-    """`arguments` validate against the schema the client sent, and parse as its model."""
-    jsonschema.validate(json.loads(arguments), {"paint": PAINT, "refill": REFILL}[name].parameters)
-    MODELS[name].model_validate_json(arguments)
 
 
 @pytest.mark.parametrize(
@@ -396,26 +313,3 @@ def test_pydantic_schemas_in_auto_mode(api: openai.OpenAI) -> None:
         assert choice.message.content or choice.message.tool_calls
         for call in choice.message.tool_calls or []:
             valid_call(call.function.name, call.function.arguments)
-
-
-def walks(grammar: str, text: str) -> bool:
-    """Whether `text`, byte by byte, is a complete sentence of `grammar`."""
-    matcher = llguidance.LLMatcher(_byte_tokenizer(), grammar, log_level=0)
-    for byte in text.encode():
-        if not matcher.consume_token(byte):
-            return False
-    return matcher.is_accepting()
-
-
-def _byte_tokenizer() -> llguidance.LLTokenizer:
-    """A tokenizer of one token per byte, to walk a grammar byte by byte."""
-    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
-
-
-class _Bytes:
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
-
-    def __call__(self, text: str | bytes) -> list[int]:
-        return list(text.encode() if isinstance(text, str) else text)

@@ -8,9 +8,11 @@ import subprocess
 import httpx
 import pytest
 
-from tests.server.conftest import BOTH_STEP_ORDERS, client
+from tests.server.conftest import ASYNC_SCHEDULING, RAY_INGRESS, SYNC, client
 
-pytestmark = BOTH_STEP_ORDERS
+pytestmark = pytest.mark.parametrize(
+    "tiny_server", [SYNC, ASYNC_SCHEDULING, RAY_INGRESS], indirect=True
+)
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

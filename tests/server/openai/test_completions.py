@@ -8,9 +8,9 @@ import subprocess
 import pytest
 from transformers import AutoTokenizer
 
-from tests.server.conftest import client
+from tests.server.conftest import RAY_INGRESS, SERVER, client
 
-pytestmark = pytest.mark.usefixtures("tiny_server")
+pytestmark = pytest.mark.parametrize("tiny_server", [SERVER, RAY_INGRESS], indirect=True)
 
 
 def test_plain_completion_has_openai_shape_and_usage(tiny_server: str) -> None:

@@ -31,7 +31,7 @@ from server.conversation import ToolRequest
 from server.tools.call_formats import HermesFormat, Llama3JsonFormat
 from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
-from tests.server.test_tools import (
+from tests.support.tool_schemas import (
     A_MOVE,
     A_PAINT,
     A_REFILL,
