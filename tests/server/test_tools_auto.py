@@ -44,7 +44,7 @@ from tests.server.test_tools import (
     valid_call,
     walks,
 )
-from tests.tiny_models import build_model
+from tests.support.tiny_models import build_model
 
 HERMES, LLAMA = HermesFormat(), Llama3JsonFormat()
 FUNCTIONS = [PAINT, REFILL, MOVE]
