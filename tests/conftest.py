@@ -22,7 +22,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_models import build_model
+from tests.support.tiny_models import build_model
 
 TINY_ARCHITECTURES = ("llama", "qwen3")
 

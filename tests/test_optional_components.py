@@ -7,7 +7,7 @@ The components here: the compiled step paths (`engine/compiled/`), the linears
 and KV events (`engine/kv_events/`), the dashboard (`server/dashboard/`) and tool calling
 (`server/tools/`), which the core reaches only through
 `engine.capabilities` and `server.capabilities`. The attention kernels, reached through the
-backend registry, have their own such test (`tests/engine/test_attention_backend.py`).
+backend registry, have their own such test (`tests/engine/model/test_attention_backend.py`).
 And with every component in place, requests that do not use tools do not import the tools component.
 """
 
@@ -18,7 +18,7 @@ import json
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.core_copy import ROOT, copy_core, run_script
+from tests.support.core_copy import ROOT, copy_core, run_script
 
 COMPONENTS = (
     "engine/compiled",

@@ -26,7 +26,7 @@ from engine.linears import gguf_store, quantized_store
 from engine.linears.quantized_linear import QuantizedLinear
 from engine.model.kernels import group_linear
 from engine.model.loader import load_model
-from tests.gguf_files import write_gguf
+from tests.support.gguf_files import write_gguf
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU = torch.device("cpu")

@@ -180,7 +180,7 @@ def test_the_event_index_follows_a_replica_s_own_events() -> None:
     from engine.kv_events.zmq_publisher import ZmqEventPublisher
     from engine.kv_events_config import KVEventsConfig
     from scale_out.event_index import EventIndex
-    from tests.engine.test_kv_events_publisher import free_endpoint
+    from tests.support.kv_events import free_endpoint
 
     endpoint = free_endpoint()
     publisher = ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
@@ -219,7 +219,7 @@ def test_a_router_that_follows_late_replays_what_it_missed() -> None:
     from engine.kv_events.zmq_publisher import ZmqEventPublisher
     from engine.kv_events_config import KVEventsConfig
     from scale_out.event_index import EventIndex
-    from tests.engine.test_kv_events_publisher import free_endpoint
+    from tests.support.kv_events import free_endpoint
 
     endpoint, replay = free_endpoint(), free_endpoint()
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint, replay_endpoint=replay)

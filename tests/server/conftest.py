@@ -25,7 +25,7 @@ from server.app import build_app
 from server.config import ServeConfig
 from server.reasoning import END, START
 from tests.support.ray_serve import ingress
-from tests.tiny_models import build_model
+from tests.support.tiny_models import build_model
 
 # The first default-model server of a run compiles its forward: 90 s on an idle 2-core CPU,
 # twice that beside the other worker's tests.

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from server.reasoning import END, START, ReasoningStream, ReasoningSyntax, split_reasoning
 from tests.server.conftest import QWEN3_TEMPLATE, client, live_server, tiny_config
-from tests.tiny_models import CHAT_TEMPLATE
+from tests.support.tiny_models import CHAT_TEMPLATE
 
 QWEN3 = ReasoningSyntax(always_open=False)
 DEEPSEEK_R1 = ReasoningSyntax(always_open=True)

@@ -19,7 +19,7 @@ import pytest
 from server.config import ServeConfig
 from tests.server.conftest import live_server, scrape, tiny_config
 from tests.server.serve_process import serve_process
-from tests.tiny_models import build_model
+from tests.support.tiny_models import build_model
 
 PROMPTS = [
     "The river towns of the north",

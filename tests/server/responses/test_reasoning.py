@@ -24,7 +24,7 @@ from server.reasoning import END, ReasoningSyntax, reasoning_tokens
 from server.responses.input import thinking_variables
 from server.responses.protocol import ResponsesRequest
 from tests.server.conftest import QWEN3_TEMPLATE, client, live_server, tiny_config
-from tests.tiny_models import CHAT_TEMPLATE
+from tests.support.tiny_models import CHAT_TEMPLATE
 
 ASK = "Name a colour."
 TOKENS = 16

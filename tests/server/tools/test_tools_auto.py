@@ -31,6 +31,7 @@ from server.conversation import ToolRequest
 from server.tools.call_formats import HermesFormat, Llama3JsonFormat
 from server.tools.chat_tools import ToolSyntax
 from tests.server.conftest import client, live_server, tiny_config
+from tests.support.tiny_models import build_model
 from tests.support.tool_schemas import (
     A_MOVE,
     A_PAINT,
@@ -44,7 +45,6 @@ from tests.support.tool_schemas import (
     valid_call,
     walks,
 )
-from tests.tiny_models import build_model
 
 HERMES, LLAMA = HermesFormat(), Llama3JsonFormat()
 FUNCTIONS = [PAINT, REFILL, MOVE]

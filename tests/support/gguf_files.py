@@ -5,7 +5,7 @@ embedding, norms in F32, and the linears (and the token embedding) in any GGML t
 The quantized tensors hold random blocks: every byte random, the fp16 scales of each block
 set to a size that keeps the weights near those of a trained model (|w| up to about 0.1).
 Any block is a valid one, so a file exercises every bit of the type's format. The tokenizer
-is the tiny models' byte-level BPE (384 tokens, tests/tiny_models.py).
+is the tiny models' byte-level BPE (384 tokens, tests/support/tiny_models.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, TokenType
 from gguf.constants import GGML_QUANT_SIZES
 
-from tests.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
+from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 # The types pagedserve's kernel computes as stored.
 KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")

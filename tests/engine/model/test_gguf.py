@@ -1,7 +1,7 @@
 """A GGUF read in place: each GGML type computed as stored, the file's architecture and
 tokenizer, tensors with no place refused, and the converted form cached and mapped.
 
-The files are written by `gguf`'s own writer (tests/gguf_files.py) with random blocks of
+The files are written by `gguf`'s own writer (tests/support/gguf_files.py) with random blocks of
 each type; the reference is the same file dequantized by gguf into a transformers model in
 fp32 (`quantization: none`), the model GGML's types stand for.
 """
@@ -30,10 +30,10 @@ from engine.linears.quantized_embedding import QuantizedEmbedding
 from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
 from engine.model import loader
 from engine.model.kernels import group_linear
-from tests.gguf_files import KERNEL_TYPES, random_blocks, write_gguf
+from tests.support.gguf_files import KERNEL_TYPES, random_blocks, write_gguf
 
 CPU = torch.device("cpu")
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.skipif(
     unavailable_reason(CPU, torch.float32, "gguf") is not None,
     reason="the C++ kernel cannot be built here",

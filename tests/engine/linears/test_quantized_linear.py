@@ -30,7 +30,7 @@ from engine.model import loader
 from engine.model.kernels import group_linear
 from pagedserve.cli import build_parser
 from server.config import resolve_serve_config
-from tests.gguf_files import KERNEL_TYPES, random_blocks
+from tests.support.gguf_files import KERNEL_TYPES, random_blocks
 
 CPU = torch.device("cpu")
 DTYPES = [d for d in (torch.float32, torch.bfloat16) if unavailable_reason(CPU, d, "int8") is None]

@@ -12,7 +12,7 @@ from transformers import PreTrainedTokenizerFast
 
 from engine.grammar.grammar import GrammarCompiler
 from engine.sampling.params import ReasoningBlock, StructuredOutputs
-from tests.tiny_models import build_tokenizer
+from tests.support.tiny_models import build_tokenizer
 
 SCHEMA = {
     "type": "object",

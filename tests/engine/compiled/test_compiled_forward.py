@@ -160,7 +160,7 @@ def test_a_restart_loads_the_saved_graph(tiny_model_paths, tmp_path) -> None:
     # The C++ kernels this session built, so that the first process only compiles.
     if (cache_root() / "kernels").is_dir():
         shutil.copytree(cache_root() / "kernels", tmp_path / "kernels", symlinks=True)
-    root = Path(__file__).parents[2]
+    root = Path(__file__).parents[3]
     runs = []
     for _ in range(2):
         done = subprocess.run(
@@ -226,7 +226,7 @@ def test_a_machine_without_a_compiler_serves_eager_and_says_so_once(
     env |= {"PATH": str(bin_dir), "PAGEDSERVE_CACHE": str(tmp_path / "cache")}
     done = subprocess.run(
         [sys.executable, "-c", NO_COMPILER, str(tiny_model_paths["llama"])],
-        cwd=Path(__file__).parents[2],
+        cwd=Path(__file__).parents[3],
         env=env,
         capture_output=True,
         text=True,
@@ -242,7 +242,7 @@ def test_a_machine_without_a_compiler_serves_eager_and_says_so_once(
 def test_windows_softcaps_and_sinks_compile_right(tmp_path: Path, name: str) -> None:
     # Gemma 2: a window and a softcap; gpt-oss: a window and sinks, through the registered
     # attention op that the compiled graph calls.
-    from tests.engine.test_model_coverage import SERVED, build, greedy, prompts, reference
+    from tests.support.architectures import SERVED, build, greedy, prompts, reference
 
     folder = build(tmp_path / name, *SERVED[name])
     batch = prompts(384)

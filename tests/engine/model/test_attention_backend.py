@@ -14,8 +14,8 @@ from engine import LLM, SamplingParams
 from engine.config import ConfigError
 from engine.model.attention_backend import BACKENDS, choose_backend, unavailable_reason
 from engine.model.torch_attention import TorchAttention, blockwise_attention, gathered_attention
-from tests.core_copy import copy_core, run_script
-from tests.engine.test_model_coverage import build
+from tests.support.architectures import build
+from tests.support.core_copy import copy_core, run_script
 
 CPU = torch.device("cpu")
 CUDA = torch.device("cuda")

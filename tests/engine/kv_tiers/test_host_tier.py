@@ -11,7 +11,7 @@ from cache import MEDIUM_CPU, BlockRemoved, BlockStored
 from engine import LLM
 from engine.config import ConfigError
 from engine.kv_tiers.host_tier import HostTier
-from tests.engine.test_disk_tier import BLOCK, TOKENS, kv_cache, loading, registered
+from tests.support.kv_tiers import BLOCK, TOKENS, kv_cache, loading, registered
 
 BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 8 * 4
 

@@ -13,7 +13,7 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (it ships with CUDA torch)")
 
 from engine.model.kernels import triton_attention
-from tests.engine.test_attention_kernel import (
+from tests.support.attention import (
     BF16_TOL,
     FP32_TOL,
     LENGTHS,

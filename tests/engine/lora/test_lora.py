@@ -17,7 +17,7 @@ from engine import LLM, SamplingParams
 from engine.errors import AdapterError
 from tests.support.adapters import save_adapter
 from tests.support.greedy import random_prompts, reference_greedy
-from tests.tiny_models import build_model
+from tests.support.tiny_models import build_model
 
 pytestmark = pytest.mark.slow
 

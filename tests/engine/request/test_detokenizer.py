@@ -13,7 +13,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.request.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, ids_decoder
-from tests.tiny_models import build_tokenizer
+from tests.support.tiny_models import build_tokenizer
 
 MULTI_BYTE = "é東京😀—"
 ALPHABET = "ab .,\n" + MULTI_BYTE

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Iterable
 from pathlib import Path
 
-ROOT = Path(__file__).parents[1]
+ROOT = Path(__file__).parents[2]
 
 # An editable install of the project (`pip install -e .`, as `make setup` does) finds a
 # top-level package's direct children in the checkout when the copy lacks them, so a

@@ -27,7 +27,7 @@ from bench.tables import free_port
 from engine.config import cache_root
 from server.config import resolve_serve_config
 
-ROOT = Path(__file__).parents[2]
+ROOT = Path(__file__).parents[1]
 IMAGE_CONFIG = "/etc/pagedserve/config.yaml"
 START_TIMEOUT = 90.0
 CPU_INDEX = "https://download.pytorch.org/whl/cpu"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.engine.test_model_coverage import HALF_SLIDING, WINDOW, build, reference
+from tests.support.architectures import HALF_SLIDING, WINDOW, build, reference
 
 pytestmark = pytest.mark.slow
 

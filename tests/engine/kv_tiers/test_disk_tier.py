@@ -16,38 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from cache import MEDIUM_DISK, BlockRemoved, BlockStored, RegisteredBlock, extend_block_hashes
+from cache import MEDIUM_DISK, BlockRemoved, BlockStored
 from engine.kv_tiers.block_file import file_name, file_size
 from engine.kv_tiers.disk_tier import DiskTier, tier_key
-from scheduler import Sequence, SequenceStatus, TierLoad
-
-BLOCK = 4
-LAYOUT = (2, 2, 10, BLOCK, 2, 8)  # layers, K/V, blocks, block size, heads, head dim
-KEY = "0123456789abcdef"
-
-
-def kv_cache(seed: int = 0) -> torch.Tensor:
-    return torch.randn(LAYOUT, generator=torch.Generator().manual_seed(seed))
+from scheduler import TierLoad
+from tests.support.kv_tiers import BLOCK, KEY, TOKENS, kv_cache, loading, registered
 
 
 def block_bytes() -> int:
     return file_size(BLOCK, 2 * 2 * BLOCK * 2 * 8 * 4)
-
-
-def registered(tokens: list[int], block_ids: list[int]) -> list[RegisteredBlock]:
-    hashes: list[int] = []
-    extend_block_hashes(hashes, tokens, BLOCK)
-    return [
-        RegisteredBlock(block_id, hashes[i], hashes[i - 1] if i else None,
-                        tuple(tokens[i * BLOCK : (i + 1) * BLOCK]))
-        for i, block_id in enumerate(block_ids)
-    ]  # fmt: skip
-
-
-def loading(tokens: list[int], block_ids: list[int], num_blocks: int) -> TierLoad:
-    seq = Sequence("s", "s", list(tokens), max_tokens=1, status=SequenceStatus.LOADING)
-    extend_block_hashes(seq.block_hashes, tokens, BLOCK)
-    return TierLoad(seq, 0, tuple(block_ids), tuple(seq.block_hashes[:num_blocks]), 0)
 
 
 def settle(tier: DiskTier, stores: int) -> None:
@@ -62,9 +39,6 @@ def load(tier: DiskTier, job: TierLoad) -> int:
     [(done, num_blocks)] = tier.finish_loads(wait=10)
     assert done is job
     return num_blocks
-
-
-TOKENS = list(range(100, 117))  # 4 full blocks and one token
 
 
 def test_blocks_come_back_bit_identical_into_other_blocks(tmp_path: Path) -> None:
@@ -173,7 +147,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> Non
         import sys
         from pathlib import Path
         sys.path.insert(0, {str(Path.cwd())!r})
-        from tests.engine.test_disk_tier import registered, kv_cache, KEY, BLOCK
+        from tests.support.kv_tiers import registered, kv_cache, KEY, BLOCK
         from engine.kv_tiers.disk_tier import DiskTier
         tier = DiskTier(kv_cache(0), 1 << 30, Path({str(tmp_path)!r}), KEY, BLOCK)
         print("ready", flush=True)
