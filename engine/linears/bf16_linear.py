@@ -14,8 +14,8 @@ limits (see `packed_linear`). fp32 and fp16 stay on oneDNN, which is row-invaria
 
 Bits. Not `F.linear`'s: the kernel sums the same exact products in fp32 in another order
 than oneDNN, so outputs differ from `F.linear`'s by about one bf16 rounding step
-(`tests/engine/test_bf16_linear.py` bounds the error) and logits are not transformers' to
-the bit.
+(`tests/engine/linears/test_bf16_linear.py` bounds the error) and logits are not
+transformers' to the bit.
 
 Speed, against oneDNN's packed linear on a 2-core Xeon with AMX (one thread's CPU time of
 a SmolLM2-135M step's linears, `python -m bench.linear_kernels --dtypes bfloat16`; whole

@@ -3,7 +3,7 @@
 `to_packed(ggml_type, blocks)` takes a GGUF tensor's rows as stored (`[rows, bytes per
 row]`, uint8) and returns the `PackedWeight` that holds the very same weights
 (`group_linear.unpack` of it equals gguf's `dequantize` of the blocks, bit for bit;
-tests/engine/test_ggml_blocks.py checks each type). The layouts are GGML's
+tests/engine/model/test_gguf.py checks each type). The layouts are GGML's
 (`ggml-common.h`; gguf-py's `quants.py` reads them the same way):
 
 | type | bytes per block of weights | weight | kernel format |

@@ -14,7 +14,7 @@ Two reasons to run CPU linears through oneDNN with a packed weight:
   3- to 40-row calls had other bits than in a 600-row call). There `pack_linear_layers`
   takes the row-invariant C++ kernel instead (`bf16_linear.Bf16Linear`); bf16 stays on
   oneDNN, with that defect, only where the kernel cannot run (no AVX512-BF16, no C++
-  compiler, an odd number of inputs). `tests/engine/test_packed_linear.py` checks every
+  compiler, an odd number of inputs). `tests/engine/linears/test_packed_linear.py` checks every
   layer the engine packs on the CPU it runs on.
 - Speed. `F.linear` hands the weight to the library in row-major layout at every call,
   and the library reorders it each time; at decode's small row counts that is a large

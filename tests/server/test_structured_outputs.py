@@ -59,7 +59,7 @@ ASK_WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
     # Eager: what these tests check is the grammar's hold on the output, not the compiled
-    # forward (tests/engine/test_compiled_forward.py), whose first compile costs a minute.
+    # forward (tests/engine/compiled/test_compiled_forward.py), whose first compile costs a minute.
     config = ServeConfig(
         model="default", dtype="float32", device="cpu", kv_cache_memory="256MiB",
         max_model_len=2048, max_num_batched_tokens=256, enforce_eager=True,

@@ -26,10 +26,9 @@
 // for the group (8 rows x 64 bytes), one TDPBSUD makes the 16 x 16 exact int32 group sums,
 // and the same vector epilogue (`accumulate`) takes them row by row; the other rows and
 // formats run on VNNI. The sums are exact integers either way and the epilogue is the same
-// operations in the same order, so the bits are the same (tests/engine/
-// test_group_linear_amx.py). Measured (bench.linear_kernels, 1 thread, bf16, a SmolLM2
-// step's linears, int4): 16 rows 21.9 -> 17.6 ms, 64 rows 65.9 -> 40.1 ms, 512 rows 455 ->
-// 319 ms; AMX beats VNNI from 16 rows on (the smallest block), so kAmxMinRows = 16.
+// operations in the same order, so the bits are the same
+// (tests/engine/model/kernels/test_group_linear_amx.py). AMX beats VNNI from 16 rows on
+// (the smallest block; `python -m bench.linear_kernels` measures both), so kAmxMinRows = 16.
 //
 // Inputs: x [M, K] fp32 or bf16 with K a multiple of 32 (of 256 for the super-block
 // schemes), an optional bias [N]; returns [M, N] in x's dtype: the fp32 result plus the
