@@ -76,8 +76,7 @@ from engine.linears.linear_groups import GroupSharedInputs
 from engine.linears.opaque_linear import OpaqueLinear
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.kernels.cpp_extension import cpu_flags
-from engine.model.model_forward import model_logits
-from engine.model.step_executor import EagerSteps
+from engine.model.runner import EagerSteps, model_logits
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
