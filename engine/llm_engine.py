@@ -18,6 +18,7 @@ from cache import (
     MEDIUM_GPU,
     BlockHashes,
     BlockManager,
+    KVSizing,
     bytes_per_block,
     cdiv,
     extend_block_hashes,
@@ -444,7 +445,7 @@ class LLMEngine:
             del scratch
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = profile_num_blocks(
+        sizing = KVSizing(
             block_bytes=bytes_per_block(
                 layout.num_layers, self.block_size, layout.num_kv_heads, layout.head_dim, itemsize
             ),
@@ -455,9 +456,12 @@ class LLMEngine:
             block_size=self.block_size,
             watermark=self.config.watermark,
             max_num_seqs=self.config.max_num_seqs,
+            cpu_reserved=self.mapped_bytes,
+        )
+        num_blocks = profile_num_blocks(
+            sizing,
             cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
             cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
-            cpu_reserved=self.mapped_bytes,
         )
         del runner  # and with it the scratch cache and any graphs captured over it
         if self.device.type == "cuda":
