@@ -38,7 +38,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.linears.opaque_linear import OpaqueLinear, layer
+from engine.linears.opaque_linear import OpaqueLinear, fake_linear, fake_linear_group
 from engine.model.kernels import bf16_linear
 
 
@@ -89,15 +89,7 @@ def _load_op() -> ModuleType:
     global _op_loaded
     extension = bf16_linear.EXTENSION.load()
     if not _op_loaded:
-        torch.library.register_fake("pagedserve::bf16_linear")(_fake_linear)
-        torch.library.register_fake("pagedserve::bf16_linear_group")(_fake_group)
+        torch.library.register_fake("pagedserve::bf16_linear")(fake_linear)
+        torch.library.register_fake("pagedserve::bf16_linear_group")(fake_linear_group)
         _op_loaded = True
     return extension
-
-
-def _fake_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], layer(handle).out_features)
-
-
-def _fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))

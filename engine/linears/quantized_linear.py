@@ -48,7 +48,12 @@ import torch
 from torch import nn
 
 from engine.linears import quantized_store
-from engine.linears.opaque_linear import OpaqueLinear, layer, opaque_linear
+from engine.linears.opaque_linear import (
+    OpaqueLinear,
+    fake_linear,
+    fake_linear_group,
+    opaque_linear,
+)
 from engine.linears.packed_linear import PackedLinear, can_pack, replace_linear_layers
 from engine.model.kernels import group_linear
 
@@ -177,19 +182,11 @@ def _load_op():
     global _op_loaded
     extension = group_linear.EXTENSION.load()
     if not _op_loaded:
-        torch.library.register_fake("pagedserve::quantized_linear")(_fake_quantized_linear)
-        torch.library.register_fake("pagedserve::quantized_linear_group")(_fake_group)
+        torch.library.register_fake("pagedserve::quantized_linear")(fake_linear)
+        torch.library.register_fake("pagedserve::quantized_linear_group")(fake_linear_group)
         extension.set_dense_fallback(opaque_linear)
         _op_loaded = True
     return extension
-
-
-def _fake_quantized_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], layer(handle).out_features)
-
-
-def _fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))
 
 
 @torch.inference_mode()
