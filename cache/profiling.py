@@ -19,8 +19,8 @@ from cache.block import cdiv
 logger = logging.getLogger(__name__)
 
 # The CPU's budget when `kv_cache_memory` is unset, as the server's preset sets it: system
-# memory is everyone's, and zero-filling 90% of what is available froze a shared machine
-# (the kernel reclaimed page cache for minutes) for KV that a few prompts never use.
+# memory is shared with everything else on the machine, and zero-filling most of what is
+# available makes the kernel reclaim page cache for KV that a few prompts never use.
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 

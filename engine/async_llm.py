@@ -144,8 +144,7 @@ class AsyncLLM:
         runs on that one thread: libgomp gives each thread that starts a parallel region
         its own pool of workers, and once the pools' threads outnumber the cores it stops
         spin-waiting between regions, so each of a step's many small regions waits for
-        its workers to wake up (a 2-core decode step took 1.3-1.6x as long). The intake
-        thread runs no torch.
+        its workers to wake up. The intake thread runs no torch.
         """
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Sleeps asked for while requests ran: applied once the engine is idle.

@@ -490,8 +490,7 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The block map, the unfinished sequences and `stats()` as of now; call it between
-        steps, on the thread that drives the engine. O(num_kv_blocks + sequences): about
-        0.2 µs a block."""
+        steps, on the thread that drives the engine. O(num_kv_blocks + sequences)."""
         now = time.monotonic()
         sequences = self.scheduler.running() + self.scheduler.waiting()
         return EngineSnapshot(

@@ -27,8 +27,8 @@ logits are dropped.
 
 Compiled once per machine, model and settings. The graph is compiled ahead of time
 (`torch.compile(...).aot_compile`, Dynamo's precompile) and saved to
-`$PAGEDSERVE_CACHE/compiled/<key>/`; a later start loads it in about 3 s instead of
-tracing and compiling for a minute or more. The key hashes everything the graph bakes
+`$PAGEDSERVE_CACHE/compiled/<key>/`; a later start loads it instead of tracing and
+compiling again. The key hashes everything the graph bakes
 in: torch, transformers and Python versions, the CPU's flags, this package's model
 sources, the model's config and module tree (quantized or packed layers and their
 handles), the dtype and the KV cache's and block table's shapes. Inductor's own output

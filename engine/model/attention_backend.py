@@ -10,7 +10,7 @@ The backends live in components of their own and are imported only here, lazily,
   are registered ops, so it also runs inside the compiled forward.
 - `triton` (`kernels.triton_attention`): the Triton kernels, on CUDA (on the CPU only
   through Triton's interpreter); they read only device tensors, so the decode graphs can
-  capture them. `auto`'s first choice on CUDA (measured on an H100: docs/gpu.md).
+  capture them. `auto`'s first choice on CUDA (the fastest there: docs/gpu.md).
 - `torch` (`torch_attention`): plain torch, on any device: blockwise and row-invariant on
   the CPU, gathered (fast, batch-dependent bits) elsewhere.
 
