@@ -27,9 +27,8 @@
 // and the same vector epilogue (`accumulate`) takes them row by row; the other rows and
 // formats run on VNNI. The sums are exact integers either way and the epilogue is the same
 // operations in the same order, so the bits are the same (tests/engine/
-// test_group_linear_amx.py). Measured (bench.linear_kernels, 1 thread, bf16, a SmolLM2
-// step's linears, int4): 16 rows 21.9 -> 17.6 ms, 64 rows 65.9 -> 40.1 ms, 512 rows 455 ->
-// 319 ms; AMX beats VNNI from 16 rows on (the smallest block), so kAmxMinRows = 16.
+// test_group_linear_amx.py). AMX beats VNNI from 16 rows on (the smallest block;
+// bench.linear_kernels measures both), so kAmxMinRows = 16.
 //
 // Inputs: x [M, K] fp32 or bf16 with K a multiple of 32 (of 256 for the super-block
 // schemes), an optional bias [N]; returns [M, N] in x's dtype: the fp32 result plus the
@@ -99,8 +98,8 @@ void run_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_beg
   return tile_rows<8, kAffine>(w, t, q, r_begin, r_end, out, valid);
 }
 
-// Calls of at least this many rows run their blocks of 16 rows on AMX (measured faster than
-// VNNI from 16 rows on: see the header). `set_amx(false)` turns AMX off, for tests that
+// Calls of at least this many rows run their blocks of 16 rows on AMX (faster than VNNI
+// from 16 rows on: see the header). `set_amx(false)` turns AMX off, for tests that
 // compare both paths' bits.
 constexpr int64_t kAmxMinRows = 16;
 std::atomic<bool> amx_enabled{true};
