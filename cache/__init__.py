@@ -22,6 +22,7 @@ from cache.events import (
 )
 from cache.profiling import (
     InsufficientKVCacheError,
+    KVSizing,
     bytes_per_block,
     kv_cache_bytes_cpu,
     kv_cache_bytes_cuda,
@@ -47,6 +48,7 @@ __all__ = [
     "InsufficientKVCacheError",
     "KVCacheBlock",
     "KVEvent",
+    "KVSizing",
     "PrefixTier",
     "RegisteredBlock",
     "bytes_per_block",

@@ -210,34 +210,44 @@ class BlockManager:
                 break
             start = seq.num_hashed * size
             tokens = tuple(token_ids[start : start + size])
-            block_hash = hashes[seq.num_hashed]
-            existing = self._cached.get(block_hash)
-            prefix_id: int | None
-            if existing is None:
-                prefix_id = self._next_prefix_id
-                self._next_prefix_id += 1
-                block = seq.blocks[seq.num_hashed]
-                block.block_hash = block_hash
-                block.token_ids = tokens
-                block.prefix_id = prefix_id
-                block.parent_prefix_id = seq.prefix_id
-                self._cached[block_hash] = block
-                if self._events is not None or self._registered is not None:
-                    parent = hashes[seq.num_hashed - 1] if seq.num_hashed else None
-                    lora_name = hashes.lora_name if isinstance(hashes, BlockHashes) else None
-                    stored.append(
-                        RegisteredBlock(block.block_id, block_hash, parent, tokens, lora_name)
-                    )
-            elif existing.token_ids == tokens and existing.parent_prefix_id == seq.prefix_id:
-                # Same content as ours: later blocks chain onto its prefix, so they are found
-                # by lookups that pass through the registered twin.
-                prefix_id = existing.prefix_id
-            else:
-                prefix_id = None
+            prefix_id = self._register_next(seq, tokens, hashes, stored)
             seq.num_hashed += 1
             seq.prefix_id = prefix_id
         if stored:
             self._record_stored(stored)
+
+    def _register_next(
+        self,
+        seq: _SeqBlocks,
+        tokens: tuple[int, ...],
+        hashes: list[int],
+        stored: list[RegisteredBlock],
+    ) -> int | None:
+        """Register `seq`'s next unhashed block, holding `tokens`, under its hash in
+        `hashes` (appending it to `stored` when registrations are kept) and return the
+        prefix id later blocks chain onto: its own, the registered twin's when equal
+        content is registered already, or None on a hash collision with other content."""
+        block_hash = hashes[seq.num_hashed]
+        existing = self._cached.get(block_hash)
+        if existing is not None:
+            if existing.token_ids == tokens and existing.parent_prefix_id == seq.prefix_id:
+                # Same content as ours: later blocks chain onto its prefix, so they are found
+                # by lookups that pass through the registered twin.
+                return existing.prefix_id
+            return None
+        prefix_id = self._next_prefix_id
+        self._next_prefix_id += 1
+        block = seq.blocks[seq.num_hashed]
+        block.block_hash = block_hash
+        block.token_ids = tokens
+        block.prefix_id = prefix_id
+        block.parent_prefix_id = seq.prefix_id
+        self._cached[block_hash] = block
+        if self._events is not None or self._registered is not None:
+            parent = hashes[seq.num_hashed - 1] if seq.num_hashed else None
+            lora_name = hashes.lora_name if isinstance(hashes, BlockHashes) else None
+            stored.append(RegisteredBlock(block.block_id, block_hash, parent, tokens, lora_name))
+        return prefix_id
 
     def _record_stored(self, stored: list[RegisteredBlock]) -> None:
         """Keep one registration call's blocks for `take_registered` and as events."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 
 import psutil
 
@@ -18,8 +19,8 @@ from cache.block import cdiv
 logger = logging.getLogger(__name__)
 
 # The CPU's budget when `kv_cache_memory` is unset, as the server's preset sets it: system
-# memory is everyone's, and zero-filling 90% of what is available froze a shared machine
-# (the kernel reclaimed page cache for minutes) for KV that a few prompts never use.
+# memory is shared with everything else on the machine, and zero-filling most of what is
+# available makes the kernel reclaim page cache for KV that a few prompts never use.
 CPU_DEFAULT_KV_CACHE_MEMORY = 2 * 1024**3
 
 
@@ -64,139 +65,163 @@ def kv_cache_bytes_cpu(*, available: int, memory_utilization: float, reserved: i
     return max(0, int(max(0, available - reserved) * memory_utilization))
 
 
+@dataclass(frozen=True, slots=True)
+class KVSizing:
+    """What sizes the KV cache besides the memory figures read at start-up: the bytes of a
+    block (`bytes_per_block`), the device type (`"cuda"` or `"cpu"`), the settings that
+    bound the budget, and `cpu_reserved`, the bytes of the model's memory-mapped weights
+    (a GGUF's converted tensors) on the CPU.
+
+    Pass the block manager's `watermark` so that a `max_model_len` prompt is admissible: it
+    must fit in the blocks outside the reserve. With `max_num_seqs`, never more blocks than
+    that many `max_model_len` sequences can use, plus the watermark reserve.
+    """
+
+    block_bytes: int
+    device_type: str
+    memory_utilization: float
+    kv_cache_memory: int | None
+    max_model_len: int
+    block_size: int
+    watermark: float = 0.0
+    max_num_seqs: int | None = None
+    cpu_reserved: int = 0
+
+
 def num_kv_blocks(
+    sizing: KVSizing,
     *,
-    block_bytes: int,
-    device_type: str,
-    memory_utilization: float,
-    kv_cache_memory: int | None,
-    max_model_len: int,
-    block_size: int,
-    watermark: float = 0.0,
-    max_num_seqs: int | None = None,
     cuda_mem_get_info: tuple[int, int] | None = None,
     cuda_allocated: int | None = None,
     cuda_peak_allocated: int | None = None,
     cpu_available: int | None = None,
-    cpu_reserved: int = 0,
 ) -> int:
     """The number of KV blocks to allocate, from measured numbers.
 
     The profiled budget is `kv_cache_bytes_cuda` (`device_type == "cuda"`, needing
     `cuda_mem_get_info` as `(free, total)`, `cuda_allocated` and `cuda_peak_allocated`) or
-    `kv_cache_bytes_cpu` (`"cpu"`, needing `cpu_available`; `cpu_reserved`, the bytes of
-    memory-mapped weights). An explicit `kv_cache_memory`
-    overrides it downwards only: the budget is `min(kv_cache_memory, profiled)`, since more
-    than the profiled figure would run the device out of memory. On the CPU an unset
-    `kv_cache_memory` means `CPU_DEFAULT_KV_CACHE_MEMORY`. With `max_num_seqs`, never more
-    blocks than that many `max_model_len` sequences can use, plus the watermark reserve.
-    The result is logged with the figure that decided it.
-
-    Pass the block manager's `watermark` so that a `max_model_len` prompt is admissible: it
-    must fit in the blocks outside the reserve. Raises InsufficientKVCacheError otherwise.
+    `kv_cache_bytes_cpu` (`"cpu"`, needing `cpu_available`, less `sizing.cpu_reserved`).
+    An explicit `kv_cache_memory` overrides it downwards only: the budget is
+    `min(kv_cache_memory, profiled)`, since more than the profiled figure would run the
+    device out of memory. On the CPU an unset `kv_cache_memory` means
+    `CPU_DEFAULT_KV_CACHE_MEMORY`. The result is logged with the figure that decided it.
+    Raises InsufficientKVCacheError when one `max_model_len` sequence does not fit
+    outside the watermark reserve.
     """
-    if device_type == "cuda":
+    profiled = _profiled_bytes(
+        sizing, cuda_mem_get_info, cuda_allocated, cuda_peak_allocated, cpu_available
+    )
+    budget, limit, why = _budget(sizing, profiled)
+    num_blocks = budget // sizing.block_bytes
+    num_required = cdiv(sizing.max_model_len, sizing.block_size)
+    watermark, max_num_seqs = sizing.watermark, sizing.max_num_seqs
+    if num_blocks - int(watermark * num_blocks) < num_required:
+        cap = limit if budget < profiled else None
+        raise _too_small(sizing, budget, num_blocks, num_required, cap)
+    usable = None if max_num_seqs is None else max_num_seqs * num_required
+    if usable is not None and num_blocks - int(watermark * num_blocks) > usable:
+        num_blocks = int(usable / (1 - watermark)) + 1
+        why = f"all that max_num_seqs={max_num_seqs} sequences of {sizing.max_model_len} tokens use"
+    logger.info(
+        "KV cache: %d blocks of %d tokens, %.2f GiB: %s",
+        num_blocks, sizing.block_size, num_blocks * sizing.block_bytes / 2**30, why,
+    )  # fmt: skip
+    return num_blocks
+
+
+def _profiled_bytes(
+    sizing: KVSizing,
+    cuda_mem_get_info: tuple[int, int] | None,
+    cuda_allocated: int | None,
+    cuda_peak_allocated: int | None,
+    cpu_available: int | None,
+) -> int:
+    """The bytes the measured figures leave the KV cache on the sizing's device."""
+    if sizing.device_type == "cuda":
         if cuda_mem_get_info is None or cuda_allocated is None or cuda_peak_allocated is None:
             raise ValueError(
                 "device 'cuda' needs cuda_mem_get_info, cuda_allocated and cuda_peak_allocated"
             )
         free, total = cuda_mem_get_info
-        profiled = kv_cache_bytes_cuda(
+        return kv_cache_bytes_cuda(
             total=total,
             free=free,
             allocated=cuda_allocated,
             peak_allocated=cuda_peak_allocated,
-            memory_utilization=memory_utilization,
+            memory_utilization=sizing.memory_utilization,
         )
-    elif device_type == "cpu":
+    if sizing.device_type == "cpu":
         if cpu_available is None:
             raise ValueError("device 'cpu' needs cpu_available")
-        profiled = kv_cache_bytes_cpu(
-            available=cpu_available, memory_utilization=memory_utilization, reserved=cpu_reserved
+        return kv_cache_bytes_cpu(
+            available=cpu_available,
+            memory_utilization=sizing.memory_utilization,
+            reserved=sizing.cpu_reserved,
         )
-    else:
-        raise ValueError(f"unsupported device type {device_type!r}: expected 'cuda' or 'cpu'")
+    raise ValueError(f"unsupported device type {sizing.device_type!r}: expected 'cuda' or 'cpu'")
 
-    limit = kv_cache_memory
-    why = "kv_cache_memory"
-    if limit is None and device_type == "cpu":
+
+def _budget(sizing: KVSizing, profiled: int) -> tuple[int, int | None, str]:
+    """The KV cache's bytes (`kv_cache_memory`, or the CPU default, capping `profiled`),
+    the limit that capped it (None: none) and the figure that decided it, for the log."""
+    limit, why = sizing.kv_cache_memory, "kv_cache_memory"
+    if limit is None and sizing.device_type == "cpu":
         limit, why = CPU_DEFAULT_KV_CACHE_MEMORY, "the CPU default (set kv_cache_memory for more)"
     budget = profiled if limit is None else min(limit, profiled)
-    capped = budget < profiled
-    if not capped:
-        why = f"memory_utilization {memory_utilization} of the free {device_type} memory"
-    num_blocks = budget // block_bytes
-    num_required = cdiv(max_model_len, block_size)
-    if num_blocks - int(watermark * num_blocks) >= num_required:
-        usable = None if max_num_seqs is None else max_num_seqs * num_required
-        if usable is not None and num_blocks - int(watermark * num_blocks) > usable:
-            num_blocks = int(usable / (1 - watermark)) + 1
-            why = f"all that max_num_seqs={max_num_seqs} sequences of {max_model_len} tokens use"
-        logger.info(
-            "KV cache: %d blocks of %d tokens, %.2f GiB: %s",
-            num_blocks, block_size, num_blocks * block_bytes / 2**30, why,
-        )  # fmt: skip
-        return num_blocks
-    if capped:
-        remedy = f"raise kv_cache_memory (now {limit} bytes) or lower max_model_len"
+    if budget >= profiled:
+        why = (
+            f"memory_utilization {sizing.memory_utilization} of the free "
+            f"{sizing.device_type} memory"
+        )
+    return budget, limit, why
+
+
+def _too_small(
+    sizing: KVSizing, budget: int, num_blocks: int, num_required: int, cap: int | None
+) -> InsufficientKVCacheError:
+    """The error for a budget that holds no `max_model_len` sequence outside the reserve,
+    naming the setting to change: `kv_cache_memory` where it capped the budget (`cap`,
+    its value or the CPU default; None where the profiled figure decided)."""
+    if cap is not None:
+        remedy = f"raise kv_cache_memory (now {cap} bytes) or lower max_model_len"
     else:
         remedy = (
-            f"raise memory_utilization (now {memory_utilization}), free {device_type} memory "
-            "or lower max_model_len"
+            f"raise memory_utilization (now {sizing.memory_utilization}), free "
+            f"{sizing.device_type} memory or lower max_model_len"
         )
-    reserve = f" outside the {watermark:.0%} watermark reserve" if watermark else ""
-    raise InsufficientKVCacheError(
-        f"KV cache too small: {budget} bytes hold {num_blocks} blocks of {block_bytes} bytes, "
-        f"but one max_model_len={max_model_len} sequence needs {num_required} blocks of "
-        f"{block_size} tokens{reserve}; {remedy}"
+    reserve = f" outside the {sizing.watermark:.0%} watermark reserve" if sizing.watermark else ""
+    return InsufficientKVCacheError(
+        f"KV cache too small: {budget} bytes hold {num_blocks} blocks of {sizing.block_bytes} "
+        f"bytes, but one max_model_len={sizing.max_model_len} sequence needs {num_required} "
+        f"blocks of {sizing.block_size} tokens{reserve}; {remedy}"
     )
 
 
 def profile_num_blocks(
+    sizing: KVSizing,
     *,
-    block_bytes: int,
-    device_type: str,
-    memory_utilization: float,
-    kv_cache_memory: int | None,
-    max_model_len: int,
-    block_size: int,
-    watermark: float = 0.0,
-    max_num_seqs: int | None = None,
     cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None,
     cuda_memory_stats: Callable[[], Mapping[str, int]] | None = None,
-    cpu_reserved: int = 0,
 ) -> int:
     """`num_kv_blocks` with the memory figures read now.
 
     Call it right after the profiling forward. On CUDA pass `torch.cuda.mem_get_info` and
     `torch.cuda.memory_stats` (reset the peak before the forward with
     `torch.cuda.reset_peak_memory_stats()` and call `torch.cuda.empty_cache()` after it);
-    on the CPU psutil's available memory is used, less `cpu_reserved` (the model's
+    on the CPU psutil's available memory is used, less `sizing.cpu_reserved` (the model's
     memory-mapped weights).
     """
-    mem_get_info = None
-    allocated = peak_allocated = cpu_available = None
-    if device_type == "cuda":
+    if sizing.device_type == "cuda":
         if cuda_mem_get_info is None or cuda_memory_stats is None:
             raise ValueError("device 'cuda' needs cuda_mem_get_info and cuda_memory_stats")
         mem_get_info = cuda_mem_get_info()
         stats = cuda_memory_stats()
-        allocated = stats["allocated_bytes.all.current"]
-        peak_allocated = stats["allocated_bytes.all.peak"]
-    elif device_type == "cpu":
-        cpu_available = psutil.virtual_memory().available
-    return num_kv_blocks(
-        block_bytes=block_bytes,
-        device_type=device_type,
-        memory_utilization=memory_utilization,
-        kv_cache_memory=kv_cache_memory,
-        max_model_len=max_model_len,
-        block_size=block_size,
-        watermark=watermark,
-        max_num_seqs=max_num_seqs,
-        cuda_mem_get_info=mem_get_info,
-        cuda_allocated=allocated,
-        cuda_peak_allocated=peak_allocated,
-        cpu_available=cpu_available,
-        cpu_reserved=cpu_reserved,
-    )
+        return num_kv_blocks(
+            sizing,
+            cuda_mem_get_info=mem_get_info,
+            cuda_allocated=stats["allocated_bytes.all.current"],
+            cuda_peak_allocated=stats["allocated_bytes.all.peak"],
+        )
+    if sizing.device_type == "cpu":
+        return num_kv_blocks(sizing, cpu_available=psutil.virtual_memory().available)
+    return num_kv_blocks(sizing)

@@ -21,10 +21,11 @@ import os
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from functools import partial
+from typing import Concatenate, Generic, ParamSpec, TypeVar
 
 from engine.config import EngineConfig
 from engine.errors import AdapterError, EngineError
@@ -32,8 +33,6 @@ from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from engine.request.intake import (
     EngineRequest,
-    Message,
-    Prompt,
     RenderedPrompt,
     RequestProcessor,
     SpecialTokens,
@@ -45,6 +44,7 @@ from engine.snapshot import EngineSnapshot, EngineStats
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 
 # The intake thread's nice value. A busy intake at normal priority slows the engine beyond
@@ -105,6 +105,25 @@ _Command = _Add | _Abort | _Snapshot | _Sleep | _Wake | _Adapter | _Stop
 _Replied = _Snapshot | _Sleep | _Wake | _Adapter
 
 
+class _OnIntake(Generic[P, T]):
+    """A `RequestProcessor` method as a coroutine method of `AsyncLLM` that runs it on the
+    intake thread, on the intake's own processor: the same arguments and the same result."""
+
+    def __init__(self, method: Callable[Concatenate[RequestProcessor, P], T]) -> None:
+        self.method = method
+        self.__doc__ = method.__doc__
+
+    def __get__(self, llm: AsyncLLM | None, owner: type) -> Callable[P, Awaitable[T]]:
+        if llm is None:
+            return self  # type: ignore[return-value]  # the class's attribute: this
+        method = self.method
+
+        async def on_intake(*args: P.args, **kwargs: P.kwargs) -> T:
+            return await llm._on_intake(partial(method, llm._processor, *args, **kwargs))
+
+        return on_intake
+
+
 class AsyncLLM:
     """Serves many concurrent `generate` calls from one `LLMEngine`.
 
@@ -125,8 +144,7 @@ class AsyncLLM:
         runs on that one thread: libgomp gives each thread that starts a parallel region
         its own pool of workers, and once the pools' threads outnumber the cores it stops
         spin-waiting between regions, so each of a step's many small regions waits for
-        its workers to wake up (a 2-core decode step took 1.3-1.6x as long). The intake
-        thread runs no torch.
+        its workers to wake up. The intake thread runs no torch.
         """
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
         # Sleeps asked for while requests ran: applied once the engine is idle.
@@ -204,59 +222,25 @@ class AsyncLLM:
         self._post_with_reply(_Snapshot(reply))
         return await asyncio.wrap_future(reply)
 
-    async def process(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
-        """Tokenize and validate a prompt on the intake thread; ValueError if invalid."""
-        return await self._on_intake(self._processor.from_prompt, prompt, params)
+    # The intake's calls: each is the `RequestProcessor` method of the same arguments and
+    # result, run on the intake thread with the intake's own processor (ValueError for what
+    # it refuses; a `ChatTemplateError` when the chat template refuses a conversation).
+    process = _OnIntake(RequestProcessor.from_prompt)
+    process_chat = _OnIntake(RequestProcessor.from_chat)
+    render_chat = _OnIntake(RequestProcessor.render_chat)
+    encode = _OnIntake(RequestProcessor.encode)
+    decode = _OnIntake(RequestProcessor.decode)
+    token_strs = _OnIntake(RequestProcessor.token_strs)
 
     async def process_rendered(
         self, rendered: RenderedPrompt, params: SamplingParams
     ) -> EngineRequest:
         """Validate a prompt rendered ahead (`RenderedPrompt`) on the intake thread, without
-        rendering, tokenizing or hashing it again; ValueError if invalid."""
+        rendering, tokenizing or hashing it again (its hashes are kept when they were made
+        at the engine's block size); ValueError if invalid."""
         return await self._on_intake(
             self._processor.from_rendered, rendered, params, self.engine.block_size
         )
-
-    async def process_chat(
-        self,
-        messages: list[Message],
-        params: SamplingParams,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> EngineRequest:
-        """Render a conversation (with `tools` and `template_kwargs` for the chat template,
-        see `RequestProcessor.render_chat`) and validate it on the intake thread; ValueError
-        (a `ChatTemplateError` when the template refuses it)."""
-        return await self._on_intake(
-            self._processor.from_chat, messages, params, tools, template_kwargs
-        )
-
-    async def decode(self, token_ids: Sequence[int]) -> str:
-        """The text of `token_ids`; ValueError naming `tokens` for an id out of vocabulary."""
-        return await self._on_intake(self._processor.decode, token_ids)
-
-    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """The token ids of `text` as a text prompt gets them (unchecked against limits)."""
-        return await self._on_intake(self._processor.encode, text, add_special_tokens)
-
-    async def render_chat(
-        self,
-        messages: list[Message],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: Mapping[str, Any] | None = None,
-    ) -> list[int]:
-        """The token ids of a conversation (with `tools` and `template_kwargs` for the chat
-        template) as chat requests render it (unchecked against limits); ChatTemplateError
-        when the template refuses it."""
-        return await self._on_intake(
-            self._processor.render_chat, messages, add_generation_prompt, tools, template_kwargs
-        )
-
-    async def token_strs(self, token_ids: Sequence[int]) -> list[str]:
-        """Each id's token as the vocabulary spells it; ValueError naming `tokens` for an
-        id out of vocabulary."""
-        return await self._on_intake(self._processor.token_strs, token_ids)
 
     async def generate(
         self, request: EngineRequest, request_id: str

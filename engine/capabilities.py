@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from engine.kv_events_config import KVEventsConfig
     from engine.kv_tier import KVTier, Publish
     from engine.model.loader import Install
-    from engine.model.step_executor import EagerSteps, StepExecutor
+    from engine.model.runner import EagerSteps, StepExecutor
     from engine.sampling.logits_constraint import ConstraintCompiler
 
 logger = logging.getLogger(__name__)

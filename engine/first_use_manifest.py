@@ -23,7 +23,7 @@ MANIFEST = ".pagedserve-manifest.json"
 def damage(target: Path) -> str | None:
     """What the manifest or a safetensors header shows damaged in `target`, or None."""
     manifest = target / MANIFEST
-    if manifest.exists():  # else made before manifests were: the headers alone are checked
+    if manifest.exists():  # a target without one: the headers alone are checked
         try:
             sizes = json.loads(manifest.read_text())["sizes"]
         except (OSError, ValueError, KeyError, TypeError):

@@ -101,20 +101,26 @@ class LLM:
         request_ids = [str(next(self._ids)) for _ in requests]
         for request_id, request in zip(request_ids, requests, strict=True):
             self.engine.add_request(request_id, request)
-        outputs: dict[str, RequestOutput] = {}
-        with tqdm(total=len(request_ids), desc="generating", disable=not use_tqdm) as bar:
-            try:
-                while self.engine.has_unfinished_requests():
-                    for output in self.engine.step():
-                        whole = outputs.setdefault(output.request_id, output)
-                        if whole is not output:
-                            whole.add(output)
-                        if output.error is not None:
-                            raise EngineError(f"the engine failed a request: {output.error}")
-                        if output.finished:
-                            bar.update()
-            except BaseException:
-                for request_id in request_ids:
-                    self.engine.abort_request(request_id)
-                raise
+        try:
+            outputs = self._step_until_done(len(request_ids), use_tqdm)
+        except BaseException:
+            for request_id in request_ids:
+                self.engine.abort_request(request_id)
+            raise
         return [outputs[request_id] for request_id in request_ids]
+
+    def _step_until_done(self, total: int, use_tqdm: bool) -> dict[str, RequestOutput]:
+        """Step the engine until no request is unfinished: each request's whole output, by
+        request id; EngineError at the first failed request."""
+        outputs: dict[str, RequestOutput] = {}
+        with tqdm(total=total, desc="generating", disable=not use_tqdm) as bar:
+            while self.engine.has_unfinished_requests():
+                for output in self.engine.step():
+                    whole = outputs.setdefault(output.request_id, output)
+                    if whole is not output:
+                        whole.add(output)
+                    if output.error is not None:
+                        raise EngineError(f"the engine failed a request: {output.error}")
+                    if output.finished:
+                        bar.update()
+        return outputs

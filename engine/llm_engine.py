@@ -3,49 +3,28 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from cache import (
-    MEDIUM_CPU,
-    MEDIUM_GPU,
-    BlockHashes,
-    BlockManager,
-    bytes_per_block,
-    cdiv,
-    extend_block_hashes,
-    profile_num_blocks,
-)
-from engine import capabilities, sleep
-from engine.adapters import Adapters, ServedAdapter
-from engine.capabilities import StepPath
-from engine.config import ConfigError, EngineConfig, cache_root
+from cache import BlockHashes, extend_block_hashes
+from engine import sleep
+from engine.adapters import ServedAdapter
+from engine.config import EngineConfig
+from engine.engine_builder import EngineBuilder
 from engine.errors import AdapterError
-from engine.kv_tier import KVTier
-from engine.model.attention import bind_attention
-from engine.model.attention_backend import choose_backend
-from engine.model.device import resolve_device, resolve_dtype
-from engine.model.kv_cache import KVLayout, allocate_kv_cache
-from engine.model.loader import checkpoint_quantization, load_model
-from engine.model.runner import ModelRunner
-from engine.model.support import probe_attention
 from engine.outputs import RequestOutput
 from engine.request.detokenizer import TokenTexts
-from engine.request.intake import EngineRequest, RequestProcessor
+from engine.request.intake import EngineRequest
 from engine.request.state import RequestState, SampleState
-from engine.sampling.params import resolve_defaults
-from engine.sampling.sampler import Sampler, SamplerOutput, prompt_logprobs
+from engine.sampling.sampler import SamplerOutput, prompt_logprobs
 from engine.sleep import SleepReport
 from engine.snapshot import EngineSnapshot, EngineStats, SequenceSnapshot
-from engine.speculative.speculator import Speculator, generator_states, rewind, sampling_rows
-from scheduler import FinishReason, ScheduledSequence, Scheduler, SchedulerOutput, Sequence
+from engine.speculative.speculator import generator_states, rewind, sampling_rows
+from scheduler import FinishReason, ScheduledSequence, SchedulerOutput
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +52,6 @@ def _rows_of_unfinished(
     return torch.tensor(rows, dtype=torch.long, device=device)
 
 
-# A model's own limit is often far beyond what a CPU serves usefully; cap the default.
-DEFAULT_MAX_MODEL_LEN = 8192
 # How long a step with nothing to run waits for a tier's load, rather than spin.
 LOAD_WAIT_SECONDS = 0.02
 
@@ -86,383 +63,36 @@ class LLMEngine:
     leaves it in the step that finishes its last sample (or when aborted), and the
     scheduler has freed all its blocks by then. Requests come in through `processor`
     (validated and tokenized once); outputs go out as deltas. Not thread-safe: one thread
-    drives it.
+    drives it. Its parts (model, runner, scheduler, sampler, ...) are built by
+    `engine.engine_builder.EngineBuilder`.
     """
 
     def __init__(self, config: EngineConfig) -> None:
+        parts = EngineBuilder(config)
         self.config = config
-        self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        if config.quantization not in ("auto", "none"):
-            reason = capabilities.quantization_unavailable(
-                self.device, self.dtype, config.quantization
-            )
-            if reason is not None:
-                raise ConfigError(
-                    f"quantization '{config.quantization}' cannot run in this engine "
-                    f"({self.dtype} on {self.device}): {reason}"
-                )
-        self.quantization = mode = self._quantization(config, checkpoint_quantization(config.model))
-        # Loaded with transformers' eager attention, which the probe's and then the chosen
-        # backend's function replace: the backend takes the KV head size the probe finds.
-        loaded = load_model(
-            config.model, dtype=self.dtype, device=self.device, attn_implementation="eager",
-            install=capabilities.gguf_install(self.dtype) if mode == "gguf" else None,
-        )  # fmt: skip
-        # Before the linears below are packed: the probe runs the model as loaded.
-        self.kv_layout = probe_attention(loaded.model)
-        self.attention = choose_backend(
-            config.attention_backend, self.device, self.dtype, self.kv_layout.head_dim,
-            config.block_size,
-        )  # fmt: skip
-        bind_attention(loaded.model, self.attention.backend)
-        self.model = loaded.model
-        self.tokenizer = loaded.tokenizer
-        self.model_name = loaded.name
-        self.eos_token_ids = loaded.eos_token_ids
-        self.mapped_bytes = loaded.mapped_bytes
-        self.default_sampling = self._sampling_defaults(config)
-        self.vocab_size = self.model.get_output_embeddings().out_features
-        if mode in ("int8", "int4"):
-            # The packing below takes plain `nn.Linear`s only: it leaves these alone.
-            folder = Path(loaded.source)
-            capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
-        capabilities.pack(self.model, self.device, self.dtype)
-        self.adapters = self._adapters(config)
-        self.compiled = self._compiles(config)
-        self.decode_graphs = self._captures_decode(config)
-        model_limit = getattr(self.model.config.get_text_config(), "max_position_embeddings", None)
-        self.max_model_len = config.max_model_len or min(
-            model_limit or DEFAULT_MAX_MODEL_LEN, DEFAULT_MAX_MODEL_LEN
-        )
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
-            raise ConfigError(
-                f"without chunked prefill, max_num_batched_tokens ({config.max_num_batched_tokens})"
-                f" must be at least max_model_len ({self.max_model_len}) so any prompt fits a step"
-            )
-        self.block_size = config.block_size
-        layout = self.kv_layout
-        self.num_kv_blocks = self._profile_num_blocks(layout)
-        kv_cache = allocate_kv_cache(
-            layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
-        )
-        self.runner = ModelRunner(
-            self.model,
-            kv_cache,
-            self.block_size,
-            config.max_num_seqs,
-            self.max_model_len,
-            step_path=capabilities.step_executor(self._step_path(), config.max_num_seqs),
-        )
-        self._warm_up(config)
-        self.events = capabilities.kv_event_publisher(config.kv_events_config)
-        self.tier = self._kv_tier(config, loaded.source, kv_cache)
-        block_manager = BlockManager(
-            self.num_kv_blocks,
-            self.block_size,
-            enable_prefix_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
-            record_events=self.events is not None,
-            record_registered=self.tier is not None,
-            medium=MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU,
-        )
-        self.scheduler = Scheduler(
-            block_manager,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            enable_chunked_prefill=config.enable_chunked_prefill,
-            sliding_window=self.kv_layout.sliding_window,
-            policy=config.scheduling_policy,
-            tier=self.tier,
-        )
-        self.grammars = capabilities.grammar_compiler(
-            self.tokenizer, self.vocab_size, self.eos_token_ids
-        )
-        self.sampler = Sampler(config.seed, self.device, self.grammars)
-        self.speculator = (
-            Speculator(config.speculative_config) if config.speculative_config else None
-        )
-        self.processor = RequestProcessor(
-            self.tokenizer,
-            self.vocab_size,
-            self.max_model_len,
-            self.grammars,
-            config.request_limits(),
-            config.scheduling_policy,
-        )
+        self.device, self.dtype = parts.device, parts.dtype
+        self.quantization = parts.quantization
+        self.model, self.tokenizer = parts.model, parts.tokenizer
+        self.model_name, self.mapped_bytes = parts.model_name, parts.mapped_bytes
+        self.eos_token_ids, self.vocab_size = parts.eos_token_ids, parts.vocab_size
+        self.default_sampling = parts.default_sampling
+        self.kv_layout, self.attention = parts.kv_layout, parts.attention
+        self.adapters = parts.adapters
+        self.compiled, self.decode_graphs = parts.compiled, parts.decode_graphs
+        self.max_model_len = parts.max_model_len
+        self.block_size, self.num_kv_blocks = parts.block_size, parts.num_kv_blocks
+        self.runner, self.events, self.tier = parts.runner, parts.events, parts.tier
+        self.scheduler = parts.scheduler
+        self.grammars, self.sampler = parts.grammars, parts.sampler
+        self.speculator, self.processor = parts.speculator, parts.processor
+        self.async_scheduling = parts.async_scheduling
         self._token_texts = TokenTexts(self.tokenizer)
         self._requests: dict[str, RequestState] = {}
         self._samples: dict[str, SampleState] = {}
         self._prompt_tokens_total = 0
         self._generation_tokens_total = 0
-        self.async_scheduling = self._schedules_ahead(config)
         self._launched: _Launched | None = None
         self.sleep_level = 0  # 0: awake; else the level of the last `sleep`
-        logger.info(
-            "model %s (%s on %s): %d KV blocks of %d tokens (%d tokens), max_model_len %d, "
-            "attention %s, %s steps, async scheduling %s",
-            self.model_name, self.dtype, self.device, self.num_kv_blocks, self.block_size,
-            self.num_kv_blocks * self.block_size, self.max_model_len,
-            self.attention.backend.name, self._step_path(),
-            "on" if self.async_scheduling else "off",
-        )  # fmt: skip
-
-    def _schedules_ahead(self, config: EngineConfig) -> bool:
-        """Whether `step` launches the next batch before this one's text (see `step`): as
-        `async_scheduling` says, or when unset, on CUDA (where the forward runs while the
-        host works; on the CPU the forward has ended before the host goes on, so
-        scheduling ahead would only delay new requests by a step). Never with speculative
-        decoding, whose kept tokens depend on each one's text (a stop string ends them)."""
-        if self.speculator is not None:
-            if config.async_scheduling:
-                raise ConfigError("async_scheduling does not combine with speculative decoding")
-            return False
-        if config.async_scheduling is None:
-            return self.device.type == "cuda"
-        return config.async_scheduling
-
-    def _sampling_defaults(self, config: EngineConfig) -> dict[str, Any]:
-        """The defaults for sampling fields a request leaves out (see
-        `engine.sampling.params`), logged once when they are not the neutral ones."""
-        try:
-            defaults, source = resolve_defaults(
-                config.generation_config,
-                config.override_generation_config,
-                self.model.generation_config,
-            )
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        if defaults:
-            logger.info(
-                "Default sampling parameters have been overridden by %s: %s", source, defaults
-            )
-        return defaults
-
-    def _quantization(self, config: EngineConfig, checkpoint: str) -> str:
-        """The quantization mode this engine runs: the setting, or with 'auto' the one the
-        checkpoint ships in ("gguf": a GGUF's own types) where the kernel can run it here
-        (else none, with a warning)."""
-        if config.quantization == "gguf" and checkpoint != "gguf":
-            raise ConfigError(
-                f"quantization 'gguf' serves a GGUF file's own quantized types, and model "
-                f"'{config.model}' is not such a file"
-            )
-        if config.quantization != "auto":
-            return config.quantization
-        if checkpoint != "none":
-            reason = capabilities.quantization_unavailable(self.device, self.dtype, checkpoint)
-            if reason is not None:
-                logger.warning(
-                    "the checkpoint's tensors are quantized, but the kernel cannot run here "
-                    "(%s): serving them dequantized to %s",
-                    reason, self.dtype,
-                )  # fmt: skip
-                return "none"
-            logger.info("quantization gguf: the checkpoint's own types (quantization: auto)")
-        return checkpoint
-
-    def _compiles(self, config: EngineConfig) -> bool:
-        """Whether steps run through a compiled forward: on the CPU, with an attention
-        backend that `compiles`, with `enforce_eager` false (else a `ConfigError` says why
-        it cannot) or unset (else a warning says why it runs eager). With a backend that
-        only `captures` (Triton), and on CUDA, steps are never compiled: decode graphs
-        instead (`_captures_decode`)."""
-        if config.enforce_eager:
-            return False
-        backend = self.attention.backend
-        if self.device.type == "cuda" or (backend.captures and not backend.compiles):
-            if config.enforce_eager is False and not backend.captures:
-                raise ConfigError(
-                    "enforce_eager false on CUDA (decode graphs) needs an attention backend "
-                    f"that reads only device tensors ('triton'), not '{backend.name}'"
-                )
-            return False
-        reason = self._cannot_compile_reason(config)
-        if reason is None:
-            return True
-        if config.enforce_eager is None:
-            logger.warning("serving eager, not compiled: %s", reason)
-            return False
-        raise ConfigError(
-            "enforce_eager false on the CPU compiles the forward, which this engine cannot: "
-            f"{reason}"
-        )
-
-    def _captures_decode(self, config: EngineConfig) -> bool:
-        """Whether decode steps replay CUDA graphs: wherever the forward is not compiled,
-        with `enforce_eager` false (CUDA, which `_compiles` held to a backend that
-        captures, or Triton's interpreter on the CPU, which runs the same padded steps
-        uncaptured), or unset on CUDA with a backend that captures (Triton, `auto`'s first
-        choice there). Unset on CUDA otherwise stays eager, with one warning that says why."""
-        if self.compiled or config.enforce_eager:
-            return False
-        if self.adapters is not None:
-            # A captured graph would replay the LoRA rows of the step it was captured in.
-            logger.warning("decode steps eager, not captured: LoRA adapters are enabled")
-            return False
-        if config.enforce_eager is False:
-            return True
-        if self.device.type != "cuda":
-            return False
-        backend = self.attention.backend
-        reason = (
-            capabilities.decode_graphs_unavailable()
-            if backend.captures
-            else f"attention backend '{backend.name}' cannot be captured in CUDA graphs"
-        )
-        if reason is not None:
-            logger.warning("decode steps eager, not captured: %s", reason)
-            return False
-        return True
-
-    def _adapters(self, config: EngineConfig) -> Adapters | None:
-        """The LoRA component's adapters over the model's projections, with `lora_modules`
-        loaded (an AdapterError names a bad one); None without LoRA."""
-        if not config.lora_enabled:
-            return None
-        adapters = capabilities.lora_adapters(self.model, self.device, config)
-        for name, path in config.lora_modules.items():
-            adapters.add(adapters.read(name, path))
-        return adapters
-
-    def _step_path(self) -> StepPath:
-        """The path every step takes (see `_compiles` and `decode_graphs`)."""
-        if self.compiled:
-            return "compiled"
-        return "graphs" if self.decode_graphs else "eager"
-
-    def _cannot_compile_reason(self, config: EngineConfig) -> str | None:
-        if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
-            return "TORCHDYNAMO_DISABLE=1 is set"
-        missing = capabilities.compiled_unavailable()
-        if missing is not None:
-            return missing
-        if self.attention.backend.compiles:
-            return None
-        if config.attention_backend != "auto":
-            return f"attention_backend is '{config.attention_backend}'"
-        # Only the CPU gets here, where auto takes torch only after passing over cpp.
-        return "; ".join(
-            f"attention backend '{name}' cannot run here: {reason}"
-            for name, reason in self.attention.passed_over.items()
-        )
-
-    def _warm_up(self, config: EngineConfig) -> None:
-        """Capture the decode graphs or compile (or load) the forward. With `enforce_eager`
-        unset, a forward that cannot be compiled here leaves the engine eager, with one
-        warning that says why."""
-        if self.device.type != "cuda" and not self.compiled:
-            return
-        try:
-            self.runner.warm_up()
-        except ConfigError as exc:
-            if not self.compiled or config.enforce_eager is not None:
-                raise
-            logger.warning("serving eager, not compiled: %s", exc)
-            self.runner.executor = self.runner.eager
-            self.compiled = False
-
-    def _kv_tier(self, config: EngineConfig, source: str, kv_cache: torch.Tensor) -> KVTier | None:
-        """The KV tier the settings ask for, logged: host RAM beside a GPU
-        (`kv_offloading_size`, refused on the CPU), or the disk tier (`kv_disk_size`),
-        keyed by everything that changes a block's bits here; None when both are 0 (or
-        prefix caching, above either, is off)."""
-        if config.kv_offloading_size:
-            if self.device.type != "cuda":
-                raise ConfigError(
-                    "kv_offloading_size is host RAM for a GPU's KV blocks; on the CPU the KV "
-                    "cache is in RAM already: raise kv_cache_memory instead"
-                )
-            if config.kv_disk_size:
-                raise ConfigError(
-                    "kv_offloading_size and kv_disk_size: this version runs one KV tier at a "
-                    "time; set one of them to 0"
-                )
-        if not (config.kv_disk_size or config.kv_offloading_size):
-            return None
-        if not config.enable_prefix_caching:
-            logger.warning("KV tier off: it sits under the prefix cache, which is off")
-            return None
-        publish = None if self.events is None else self.events.publish
-        if config.kv_offloading_size:
-            tier = capabilities.host_kv_tier(
-                kv_cache, int(config.kv_offloading_size), self.block_size, publish
-            )
-            logger.info(
-                "KV host tier: %.1f MiB of pinned host memory", tier.stats().capacity / 2**20
-            )
-            return tier
-        root = Path(config.kv_disk_path) if config.kv_disk_path else cache_root() / "kv"
-        settings = {
-            "quantization": self.quantization, "dtype": str(self.dtype),
-            "device": self.device.type, "block_size": str(self.block_size),
-            "kv_layout": repr(self.kv_layout), "kv_dtype": str(kv_cache.dtype),
-            "step_path": self._step_path(), "attention": self.attention.backend.name,
-        }  # fmt: skip
-        tier = capabilities.kv_tier(
-            kv_cache, int(config.kv_disk_size), root, Path(source), settings, self.block_size,
-            publish,
-        )  # fmt: skip
-        stats = tier.stats()
-        logger.info(
-            "KV disk tier: %.1f MiB of %.1f MiB used (%d blocks), at %s",
-            stats.bytes_used / 2**20, stats.capacity / 2**20, stats.num_blocks, stats.path,
-        )  # fmt: skip
-        return tier
-
-    def _profile_num_blocks(self, layout: KVLayout) -> int:
-        """Size the KV cache from the memory the model leaves free.
-
-        On CUDA the largest batch the scheduler can form runs once first, so the peak
-        includes its activations; with decode graphs, they are captured over that scratch
-        cache and held while the free memory is read, so their memory pool is left out of
-        the KV cache (they are captured again over the real one). On the CPU there is no
-        peak to read (psutil's available memory is the figure, and `1 - memory_utilization`
-        of it stays for activations), so the forward is skipped.
-        """
-        runner = None
-        if self.device.type == "cuda":
-            tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
-            blocks = cdiv(tokens, self.block_size)
-            scratch = allocate_kv_cache(layout, blocks, self.block_size, self.dtype, self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-            runner = ModelRunner(
-                self.model,
-                scratch,
-                self.block_size,
-                self.config.max_num_seqs,
-                self.max_model_len,
-                step_path=capabilities.step_executor(
-                    "graphs" if self.decode_graphs else "eager", self.config.max_num_seqs
-                ),
-            )
-            seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
-            item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))
-            runner.update_block_tables(SchedulerOutput([item]))
-            runner.execute([item])
-            runner.warm_up()
-            del scratch
-            torch.cuda.empty_cache()
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        num_blocks = profile_num_blocks(
-            block_bytes=bytes_per_block(
-                layout.num_layers, self.block_size, layout.num_kv_heads, layout.head_dim, itemsize
-            ),
-            device_type=self.device.type,
-            memory_utilization=self.config.memory_utilization,
-            kv_cache_memory=self.config.kv_cache_memory,
-            max_model_len=self.max_model_len,
-            block_size=self.block_size,
-            watermark=self.config.watermark,
-            max_num_seqs=self.config.max_num_seqs,
-            cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
-            cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
-            cpu_reserved=self.mapped_bytes,
-        )
-        del runner  # and with it the scratch cache and any graphs captured over it
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-        return num_blocks
 
     # -- requests ---------------------------------------------------------------------
 
@@ -860,8 +490,7 @@ class LLMEngine:
 
     def snapshot(self) -> EngineSnapshot:
         """The block map, the unfinished sequences and `stats()` as of now; call it between
-        steps, on the thread that drives the engine. O(num_kv_blocks + sequences): about
-        0.2 µs a block."""
+        steps, on the thread that drives the engine. O(num_kv_blocks + sequences)."""
         now = time.monotonic()
         sequences = self.scheduler.running() + self.scheduler.waiting()
         return EngineSnapshot(

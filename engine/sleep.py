@@ -115,13 +115,18 @@ def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
     yield from model.buffers()
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, torch.Tensor):
-                yield value
-            elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-                for field in dataclasses.fields(value):
-                    item = getattr(value, field.name)
-                    if isinstance(item, torch.Tensor):
-                        yield item
+            yield from _held_tensors(value)
+
+
+def _held_tensors(value: object) -> Iterator[torch.Tensor]:
+    """`value` if it is a tensor, a dataclass instance's tensor fields, else nothing."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            item = getattr(value, field.name)
+            if isinstance(item, torch.Tensor):
+                yield item
 
 
 def _maps() -> list[Mapping]:

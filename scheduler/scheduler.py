@@ -189,9 +189,6 @@ class Scheduler:
         """Total preemptions since start (a sequence preempted twice counts twice)."""
         return self._num_preemptions
 
-    def has_unfinished(self) -> bool:
-        return bool(self._unfinished)
-
     def add(self, seq: Sequence) -> None:
         """Queue a new sequence: behind everything that arrived before it (fcfs), or behind
         everything of its priority or a lower value (priority)."""

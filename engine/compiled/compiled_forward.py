@@ -27,8 +27,8 @@ logits are dropped.
 
 Compiled once per machine, model and settings. The graph is compiled ahead of time
 (`torch.compile(...).aot_compile`, Dynamo's precompile) and saved to
-`$PAGEDSERVE_CACHE/compiled/<key>/`; a later start loads it in about 3 s instead of
-tracing and compiling for a minute or more. The key hashes everything the graph bakes
+`$PAGEDSERVE_CACHE/compiled/<key>/`; a later start loads it instead of tracing and
+compiling again. The key hashes everything the graph bakes
 in: torch, transformers and Python versions, the CPU's flags, this package's model
 sources, the model's config and module tree (quantized or packed layers and their
 handles), the dtype and the KV cache's and block table's shapes. Inductor's own output
@@ -41,15 +41,16 @@ Invariants:
 - A row's bits depend only on the row, never on the step's other rows or sizes: the
   linears and the attention are row-invariant, and the compiled loops compute each row
   alone (tests check it). They are not the eager engine's bits: Inductor's fused code
-  rounds differently (SmolLM2's fp32 logits differed by up to 1.4e-4 in one check;
-  greedy tokens matched eager mode's in the tests). A loaded graph is the saved one: its
+  rounds differently (fp32 logits differ from eager mode's by its rounding; greedy tokens
+  match eager mode's in the tests). A loaded graph is the saved one: its
   bits equal a fresh compile's.
 - The saved graph keeps only its tensor inputs' guards (shapes, dtypes, strides): the
   key stands for the model's code and modules, which never change after loading. Those
   guards are checked on the warm-up step alone, so a graph saved for other shapes fails
-  there, and then dropped (they cost 0.55 ms of a 9 ms batch-1 step): every later step's
-  inputs are built the same way (`pad_step`'s int64 arrays, never a size of 0, and
-  this engine's own KV cache and block tables), which is what the guards would check.
+  there, and then dropped (checking them is a sizeable share of a small step): every
+  later step's inputs are built the same way (`pad_step`'s int64 arrays, never a size of
+  0, and this engine's own KV cache and block tables), which is what the guards would
+  check.
 """
 
 from __future__ import annotations
@@ -76,8 +77,7 @@ from engine.linears.linear_groups import GroupSharedInputs
 from engine.linears.opaque_linear import OpaqueLinear
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.kernels.cpp_extension import cpu_flags
-from engine.model.model_forward import model_logits
-from engine.model.step_executor import EagerSteps
+from engine.model.runner import EagerSteps, model_logits
 from engine.model.step_inputs import StepInputs
 
 logger = logging.getLogger(__name__)
@@ -167,7 +167,7 @@ class CompiledForward:
                 self.loaded = True
             self._compiled = compiled
             self._run_padding_step()  # with its guards: a graph that does not fit fails here
-            compiled.disable_guard_check()  # 0.55 ms of a 9 ms step; see the docstring
+            compiled.disable_guard_check()  # see the docstring
         except Exception as exc:  # Inductor fails in many ways where it cannot build
             raise ConfigError(f"the forward cannot be compiled here: {exc}") from exc
         seconds = time.perf_counter() - started

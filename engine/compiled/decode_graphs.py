@@ -24,8 +24,7 @@ import numpy as np
 import torch
 
 from engine.model.attention_metadata import PagedAttentionMetadata
-from engine.model.model_forward import model_logits
-from engine.model.step_executor import EagerSteps
+from engine.model.runner import EagerSteps, model_logits
 from engine.model.step_inputs import StepInputs
 
 # Per row of a bucket's static buffer: input id, position, slot, context length, table row.

@@ -40,10 +40,9 @@ class GrammarCompiler:
     llguidance's matchers themselves.
 
     Thread-safe. llguidance's view of the tokenizer is built once, when the compiler is
-    made (0.3 s for SmolLM2's 49,152 tokens), and shared by every grammar: built on the
-    first structured request, it held the GIL on the intake thread and froze every running
-    stream for about 340 ms (`python -m bench.first_structured`: 31x the streams' mean gap
-    between tokens).
+    made, and shared by every grammar: built at the first structured request instead, it
+    would hold the GIL on the intake thread and stall every running stream meanwhile
+    (`python -m bench.first_structured` measures that stall).
     """
 
     def __init__(
@@ -173,8 +172,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     at the first constrained step (seconds, every stream frozen) and fail without a
     compiler. The words go to the logits' device (4 bytes per 32 tokens) and are unpacked
     there, every row at once, in a shift, an `and` and a compare; one `masked_fill_` then
-    does the rest. On the CPU that is about 0.1 ms a row for a 49k vocabulary, most of it
-    the fill (measured on this project's busy 2-core machine, best of 50).
+    does the rest; on the CPU the fill is most of the cost.
     """
     num_rows, vocab = logits.shape
     if bitmask.shape[0] != num_rows:

@@ -17,12 +17,11 @@ than oneDNN, so outputs differ from `F.linear`'s by about one bf16 rounding step
 (`tests/engine/linears/test_bf16_linear.py` bounds the error) and logits are not
 transformers' to the bit.
 
-Speed, against oneDNN's packed linear on a 2-core Xeon with AMX (one thread's CPU time of
-a SmolLM2-135M step's linears, `python -m bench.linear_kernels --dtypes bfloat16`; whole
-steps in `docs/deterministic-outputs.md`): 0.6x oneDNN's time at 1 row, 0.7x at 2 to 16
-rows, 0.8x at 64, 0.85-1.04x at 512. The AVX512-BF16 code alone (what a CPU without AMX
-runs) is as fast at 1 row but 2.3x slower than AMX at 16 rows and 8-9x at 512, where
-AMX's tile products win: so AMX, where there is AMX, at every row count.
+Speed: with AMX it takes less time than oneDNN's packed linear from decode's rows to
+prefill's (`python -m bench.linear_kernels --dtypes bfloat16`; whole steps in
+`docs/deterministic-outputs.md`). The AVX512-BF16 code alone (what a CPU without AMX
+runs) is as fast at 1 row but falls behind from 16 rows on, where AMX's tile products
+win: so AMX, where there is AMX, at every row count.
 
 Invariants of a `Bf16Linear`: `packed_weight` is `kernels.bf16_linear.pack(W)` of the
 original `[out, in]` bf16 weight W, registered under `handle` with the bias for the op
@@ -38,7 +37,7 @@ from types import ModuleType
 import torch
 from torch import nn
 
-from engine.linears.opaque_linear import OpaqueLinear, layer
+from engine.linears.opaque_linear import OpaqueLinear, fake_linear, fake_linear_group
 from engine.model.kernels import bf16_linear
 
 
@@ -89,15 +88,7 @@ def _load_op() -> ModuleType:
     global _op_loaded
     extension = bf16_linear.EXTENSION.load()
     if not _op_loaded:
-        torch.library.register_fake("pagedserve::bf16_linear")(_fake_linear)
-        torch.library.register_fake("pagedserve::bf16_linear_group")(_fake_group)
+        torch.library.register_fake("pagedserve::bf16_linear")(fake_linear)
+        torch.library.register_fake("pagedserve::bf16_linear_group")(fake_linear_group)
         _op_loaded = True
     return extension
-
-
-def _fake_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], layer(handle).out_features)
-
-
-def _fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))

@@ -166,17 +166,25 @@ def convert(gguf: GgufFile, model: nn.Module, staging: Path) -> None:
                 value = entry.tensor.dense().to(_DTYPES[arrays[entry.name][0]])
                 file.write(entry.name, 0, value)
             else:
-                for start, packed in entry.chunks():
-                    tile = start // group_linear.TILE
-                    for part in ("codes", "scales", "offsets", "sub"):
-                        if f"{entry.name}.{part}" in arrays:
-                            values = getattr(packed, part)
-                            file.write(f"{entry.name}.{part}", tile * values[0].nbytes, values)
+                _write_packed(file, entry, arrays)
             gguf.drop_pages()
     summary = ", ".join(f"{n} x {t} {k}" for (t, k), n in sorted(types.items()))
     logger.info("%s: %s", gguf.path.name, summary)
     source = {"gguf": gguf.path.name, "format": FORMAT, "tensors": summary}
     (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
+
+
+def _write_packed(
+    file: TensorFile, entry: _Entry, arrays: dict[str, tuple[str, tuple[int, ...]]]
+) -> None:
+    """Write a packed or requantized entry's parts (those among `arrays`), chunk by
+    chunk, each at its tiles' offset."""
+    for start, packed in entry.chunks():
+        tile = start // group_linear.TILE
+        for part in ("codes", "scales", "offsets", "sub"):
+            if f"{entry.name}.{part}" in arrays:
+                values = getattr(packed, part)
+                file.write(f"{entry.name}.{part}", tile * values[0].nbytes, values)
 
 
 class TensorFile:

@@ -82,6 +82,16 @@ def opaque_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
 LIBRARY.impl("linear", opaque_linear, "CPU")
 
 
-@torch.library.register_fake("pagedserve::linear")
-def _(x: torch.Tensor, handle: int) -> torch.Tensor:
+def fake_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
+    """The output of layer `handle` on `x` in shape and dtype alone (a linear op's fake
+    kernel, for tracing)."""
     return x.new_empty(*x.shape[:-1], layer(handle).out_features)
+
+
+def fake_linear_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
+    """The outputs of layers `handles` on one `x`, side by side, in shape and dtype alone
+    (a grouped linear op's fake kernel, for tracing)."""
+    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))
+
+
+torch.library.register_fake("pagedserve::linear")(fake_linear)

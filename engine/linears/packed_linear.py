@@ -18,8 +18,8 @@ Two reasons to run CPU linears through oneDNN with a packed weight:
   layer the engine packs on the CPU it runs on.
 - Speed. `F.linear` hands the weight to the library in row-major layout at every call,
   and the library reorders it each time; at decode's small row counts that is a large
-  share of the call. Packed, SmolLM2's decode-step linears are about 2x faster at 2-8
-  rows in fp32 and equal from 128 rows up (bf16: ~20% faster at 64 rows, up to 2x at 1-16).
+  share of the call. Packed, the linears are faster at decode's row counts and as fast
+  at prefill's (`python -m bench.linear_kernels`).
 
 The price: in fp32 oneDNN sums in another order than MKL, so logits differ from
 transformers' own by about 1e-6 relative (greedy tokens still equal `generate()`'s in

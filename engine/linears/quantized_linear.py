@@ -17,14 +17,13 @@ Where it applies. With AVX512-VNNI the kernel runs at every row count: its integ
 products beat oneDNN's packed fp32 and bf16 linears from 1 to 96 rows and on 512-row
 prefill windows on a CPU without AMX. Where the CPU has AMX-INT8, calls of 16 rows or more
 (prefill chunks, decode batches) run their blocks of 16 rows on AMX tiles, with the same
-bits (the header of `kernels/group_linear.cpp`): about 1.4x (512 rows) to 1.65x (64 rows)
-faster than VNNI alone, still about 2x slower than oneDNN's AMX-bf16 linear at 512 rows
-in bf16 (`python -m bench.linear_kernels`). Without VNNI, its scalar twin runs calls of at
-most `max_kernel_rows(dtype)` rows (decode at small batches) and a larger call runs a
-`PackedLinear` over the dequantized weight in the model's dtype, as fast as the
-unquantized model; where the dtype has no fast dense path (bf16 on a CPU without
-AVX512-BF16 or AMX, which oneDNN cannot pack), the kernel runs at every row count. No
-dense copy is kept where the kernel takes every row count.
+bits (the header of `kernels/group_linear.cpp`): faster than VNNI alone, though slower
+than oneDNN's AMX-bf16 linear on 512-row bf16 calls (`python -m bench.linear_kernels`).
+Without VNNI, its scalar twin runs calls of at most `max_kernel_rows(dtype)` rows (decode
+at small batches) and a larger call runs a `PackedLinear` over the dequantized weight in
+the model's dtype, as fast as the unquantized model; where the dtype has no fast dense
+path (bf16 on a CPU without AVX512-BF16 or AMX, which oneDNN cannot pack), the kernel runs
+at every row count. No dense copy is kept where the kernel takes every row count.
 
 Memory: the codes, scales and offsets, plus the dequantized copy in the model's dtype
 where there is a dense path. A tied LM head is quantized as a copy; the input embedding
@@ -48,7 +47,12 @@ import torch
 from torch import nn
 
 from engine.linears import quantized_store
-from engine.linears.opaque_linear import OpaqueLinear, layer, opaque_linear
+from engine.linears.opaque_linear import (
+    OpaqueLinear,
+    fake_linear,
+    fake_linear_group,
+    opaque_linear,
+)
 from engine.linears.packed_linear import PackedLinear, can_pack, replace_linear_layers
 from engine.model.kernels import group_linear
 
@@ -61,18 +65,17 @@ SCHEME_NAMES = {
     group_linear.SUPER_SIGNED: "super-signed",
 }
 # Largest row count that runs the kernel where it is the scalar twin (neither AVX512-VNNI nor
-# AVX2), by the model's dtype; more rows dequantize and run the dense linear. Unmeasured for
-# the twin, which no CPU of this project has. With VNNI or AVX2 the kernel runs at every
-# row count.
+# AVX2), by the model's dtype; more rows dequantize and run the dense linear. With VNNI or
+# AVX2 the kernel runs at every row count.
 KERNEL_ROWS = {torch.float32: 16, torch.bfloat16: 8}
 VECTOR_INSTRUCTIONS = ("avx512-vnni", "avx2")
 
 
 def max_kernel_rows(dtype: torch.dtype) -> int | None:
     """The largest row count that runs the quantized kernel in a model of `dtype`; None:
-    every row count. With AVX512-VNNI the kernel beat oneDNN's packed linear at every row
-    count measured, 1 to 96 (`python -m bench.linear_kernels`; README, "Quantization"), and
-    on 512-row prefill windows; with AVX2 it runs every row count too, so that a GGUF's
+    every row count. With AVX512-VNNI the kernel beats oneDNN's packed linear from 1 to 96
+    rows (`python -m bench.linear_kernels`; README, "Quantization") and on 512-row prefill
+    windows; with AVX2 it runs every row count too, so that a GGUF's
     weights are held once, in their own bits. Without either, `KERNEL_ROWS`, except where
     the dtype has no fast dense path (bf16 that oneDNN cannot pack runs `F.linear`). Needs
     the kernel built."""
@@ -177,19 +180,11 @@ def _load_op():
     global _op_loaded
     extension = group_linear.EXTENSION.load()
     if not _op_loaded:
-        torch.library.register_fake("pagedserve::quantized_linear")(_fake_quantized_linear)
-        torch.library.register_fake("pagedserve::quantized_linear_group")(_fake_group)
+        torch.library.register_fake("pagedserve::quantized_linear")(fake_linear)
+        torch.library.register_fake("pagedserve::quantized_linear_group")(fake_linear_group)
         extension.set_dense_fallback(opaque_linear)
         _op_loaded = True
     return extension
-
-
-def _fake_quantized_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], layer(handle).out_features)
-
-
-def _fake_group(x: torch.Tensor, handles: list[int]) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], sum(layer(handle).out_features for handle in handles))
 
 
 @torch.inference_mode()

@@ -10,7 +10,7 @@ The backends live in components of their own and are imported only here, lazily,
   are registered ops, so it also runs inside the compiled forward.
 - `triton` (`kernels.triton_attention`): the Triton kernels, on CUDA (on the CPU only
   through Triton's interpreter); they read only device tensors, so the decode graphs can
-  capture them. `auto`'s first choice on CUDA (measured on an H100: docs/gpu.md).
+  capture them. `auto`'s first choice on CUDA (the fastest there: docs/gpu.md).
 - `torch` (`torch_attention`): plain torch, on any device: blockwise and row-invariant on
   the CPU, gathered (fast, batch-dependent bits) elsewhere.
 
@@ -112,10 +112,8 @@ def unavailable_reason(
     name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
 ) -> str | None:
     """Why backend `name` cannot run for these, or None if it can."""
-    backend = _backend_class(name)
-    if isinstance(backend, str):
-        return backend
-    return backend.unavailable_reason(device, dtype, head_size, block_size)
+    found = _runnable(name, device, dtype, head_size, block_size)
+    return found if isinstance(found, str) else None
 
 
 def choose_backend(
@@ -149,11 +147,19 @@ def _ready(
     name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
 ) -> AttentionBackend | str:
     """Backend `name` constructed for `device`, or why it cannot run for these."""
+    found = _runnable(name, device, dtype, head_size, block_size)
+    return found if isinstance(found, str) else found(device)
+
+
+def _runnable(
+    name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+) -> type[AttentionBackend] | str:
+    """Backend `name`'s class where it can run for these, else why it cannot."""
     backend = _backend_class(name)
     if isinstance(backend, str):
         return backend
     reason = backend.unavailable_reason(device, dtype, head_size, block_size)
-    return backend(device) if reason is None else reason
+    return backend if reason is None else reason
 
 
 def _backend_class(name: str) -> type[AttentionBackend] | str:

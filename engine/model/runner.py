@@ -1,16 +1,98 @@
-"""One packed forward per engine step over the paged KV cache."""
+"""Running one engine step: the scheduled chunks packed into one batch, one forward of the
+model over it, the sampling logits out.
+
+`ModelRunner` packs the step (`StepInputs`), keeps the block tables across steps, asks
+its `StepExecutor` for the host arrays to upload, copies them to the device in one copy
+and hands the device tensors back to the executor's `run`. `EagerSteps` is the step path
+that is always there: the model object run on the inputs as they are; the compiled
+forward and the decode graphs (`engine.compiled`, an optional component chosen by
+`engine.capabilities`) pad or bucket the inputs first and fall back to it for steps they
+do not take. Every path runs the model through `model_logits`, so they differ only in how
+the step's inputs reach it.
+
+Invariants: a logits row depends on its own token's row alone, never on the step's other
+rows; rows come out in `logits_index` order (the sampled rows in batch order, then the
+prompt-logprob rows in batch order); the block tables have seen every `SchedulerOutput`,
+in order, before a step that reads them runs.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
+import numpy as np
 import torch
 from transformers import PreTrainedModel
 
 from cache import cdiv
-from engine.model.step_executor import EagerSteps, StepExecutor
-from engine.model.step_inputs import BlockTables, Staging, build_step_inputs
+from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.step_inputs import BlockTables, Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
+
+
+def model_logits(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    logits_index: torch.Tensor,
+    metadata: PagedAttentionMetadata,
+) -> torch.Tensor:
+    """`(input ids [1, T], positions [1, T], logits index [S], metadata) -> logits [S,
+    vocab]` in the model's dtype: the step's tokens as one sequence whose attention the
+    paged implementation splits by `metadata`, logits only at `logits_index`."""
+    output = model(
+        input_ids=input_ids,
+        position_ids=positions,
+        logits_to_keep=logits_index,
+        use_cache=False,
+        paged_metadata=metadata,
+    )
+    return output.logits[0]
+
+
+class StepExecutor(Protocol):
+    """One way to run a step. `host_inputs(step)` are the int64 arrays to put on the
+    device; `run(step, inputs)`, given them there in the same order, returns the logits
+    `[len(step.logits_index), vocab]` in the model's dtype, one row per entry of
+    `logits_index`, in its order. A row's logits depend on that row alone, never on the step's other
+    rows. `warm_up` runs once before the first step (it compiles or captures)."""
+
+    name: str
+
+    def warm_up(self) -> None: ...
+
+    def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]: ...
+
+    def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor: ...
+
+
+class EagerSteps:
+    """Every step through the model object itself, with the step's host arrays at hand for
+    attention backends that read them. Holds what every step path shares: the model, the
+    KV cache and the device's block tables (read by row)."""
+
+    name = "eager"
+
+    def __init__(
+        self, model: PreTrainedModel, kv_cache: torch.Tensor, device_tables: torch.Tensor
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device_tables = device_tables
+
+    def warm_up(self) -> None:
+        """Nothing to prepare."""
+
+    def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]:
+        return step.arrays()
+
+    def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
+        input_ids, positions, slots, rows, query_start, context_lens, logits_index = inputs
+        metadata = PagedAttentionMetadata.of_step(
+            self.kv_cache, self.device_tables, slots, rows, query_start, context_lens, step
+        )
+        return model_logits(self.model, input_ids[None], positions[None], logits_index, metadata)
 
 
 class ModelRunner:
@@ -26,10 +108,9 @@ class ModelRunner:
     a step's inputs and those entries reach the device in one copy (see `Staging`);
     `mirror_block_tables=True` keeps such a copy on the CPU too (to test it there).
 
-    Steps run through `executor` (see `engine.model.step_executor`): `eager`, or what
-    `step_path` makes of it (`engine.capabilities.step_executor`: the compiled forward or
-    the decode graphs). Call `warm_up` before the first step: it compiles the forward or
-    captures the graphs.
+    Steps run through `executor`: `eager`, or what `step_path` makes of it
+    (`engine.capabilities.step_executor`: the compiled forward or the decode graphs). Call
+    `warm_up` before the first step: it compiles the forward or captures the graphs.
     """
 
     def __init__(

@@ -188,8 +188,7 @@ class Staging:
 
     The arrays are concatenated into one fresh host array (on the CPU, that is all) and
     copied whole; the device tensors are views of the copy. The copy is from pageable
-    memory: a reused pinned buffer would let it overlap the host's work, but that waits
-    until it can be measured on a GPU.
+    memory, so it does not overlap the host's work (a reused pinned buffer would).
     """
 
     def __init__(self, device: torch.device) -> None:

@@ -222,8 +222,8 @@ def attend_causal(
 
     Query i sits at position S - Tq + i and sees keys up to and including it (and within
     the window). The tensors go to `scaled_dot_product_attention` as `[1, heads, tokens,
-    D]`: with a batch dimension it takes its fused flash kernel on the CPU too (3-4x the
-    3-D call's speed for chunks of 256+ tokens), and a chunk that is its whole context
+    D]`: with a batch dimension it takes its fused flash kernel on the CPU too (faster than
+    the 3-D call for long chunks), and a chunk that is its whole context
     needs no mask (`is_causal`). SDPA has no softcap or sinks: with either, the scores are
     computed here.
     """

@@ -277,8 +277,8 @@ def _sample_random(
     _min_p(logits, [row.params.min_p for row in rows])
     # Exponential race in log space: argmax(logits - log E) with E = -log U ~ Exp(1) is a
     # draw from softmax(logits), needs no softmax, and lets every seeded row take its
-    # noise from its own generator. (uniform_ + two logs is ~4x faster than exponential_
-    # on CPU; U = 0 gives E = inf, a token that cannot win, as Exp(1) allows.)
+    # noise from its own generator. (uniform_ and two logs are faster than exponential_
+    # on the CPU; U = 0 gives E = inf, a token that cannot win, as Exp(1) allows.)
     noise = torch.empty_like(logits)
     unseeded = [i for i, row in enumerate(rows) if row.generator is None]
     if len(unseeded) == len(rows):
@@ -352,11 +352,10 @@ def _logsumexp(logits: torch.Tensor) -> torch.Tensor:
     """`logits.logsumexp(dim=-1, keepdim=True)` with the same bits, without denormals.
 
     After a low temperature most of a row lies far below its maximum, and exp() of
-    those differences gives floats below FLT_MIN, each one slow on x86 CPUs: 49,152
-    logits at temperature 0.2 took 260 us instead of 35. Differences below -87 count as
-    exp(-87), a normal float; the sum is at least 1 (the maximum's own term), so a change
-    of at most vocab * 1.7e-38 in it leaves its bits as they were. A row of -inf stays
-    -inf.
+    those differences gives floats below FLT_MIN, each one slow on x86 CPUs. Differences
+    below -87 count as exp(-87), a normal float; the sum is at least 1 (the maximum's own
+    term), so a change of at most vocab * 1.7e-38 in it leaves its bits as they were. A
+    row of -inf stays -inf.
     """
     peak = logits.amax(dim=-1, keepdim=True)
     terms = (logits - peak).clamp_(min=-87.0).exp_()

@@ -30,9 +30,8 @@ from engine.speculative.config import SpeculativeConfig
 from scheduler import ScheduledSequence, Sequence
 
 # The rows of a step that drafts may fill, decoding sequences' own rows included: up to
-# about 8, a step of the compiled int4 forward cost about what a step of one row costs on
-# this project's 2-core CPU (a probe of one to four 400-token sequences with 0 to 8 drafts
-# each: +10% at 1 x 7 rows, +25% at 2 x 4, 2x at 4 x 3, 2.3x at 1 x 9).
+# about 8, a step of the compiled int4 forward on the CPU costs about what a step of one
+# row costs; beyond, each row adds to the step.
 STEP_ROWS = 8
 
 

@@ -9,6 +9,7 @@ import pytest
 import cache.profiling
 from cache import (
     InsufficientKVCacheError,
+    KVSizing,
     bytes_per_block,
     kv_cache_bytes_cpu,
     kv_cache_bytes_cuda,
@@ -62,18 +63,29 @@ def test_memory_mapped_weights_are_counted_before_the_kv_cache() -> None:
     assert _blocks(cpu_available=5 * GIB, cpu_reserved=4 * GIB) == GIB // 2 // BLOCK
 
 
-def _blocks(**overrides: object) -> int:
-    kwargs: dict = dict(
+MEASURED = ("cuda_mem_get_info", "cuda_allocated", "cuda_peak_allocated", "cpu_available")
+
+
+def _sizing(**overrides: object) -> KVSizing:
+    fields: dict = dict(
         block_bytes=BLOCK,
         device_type="cpu",
         memory_utilization=0.5,
         kv_cache_memory=None,
         max_model_len=4096,
         block_size=16,
-        cpu_available=8 * GIB,
     )
-    kwargs.update(overrides)
-    return num_kv_blocks(**kwargs)
+    fields.update(overrides)
+    return KVSizing(**fields)
+
+
+def _blocks(**overrides: object) -> int:
+    """`num_kv_blocks` of the default sizing and 8 GiB available, with `overrides` (of the
+    sizing's fields and of the measured figures)."""
+    measured: dict = dict(cpu_available=8 * GIB)
+    measured.update({name: value for name, value in overrides.items() if name in MEASURED})
+    settings = {name: value for name, value in overrides.items() if name not in MEASURED}
+    return num_kv_blocks(_sizing(**settings), **measured)
 
 
 def test_num_kv_blocks_cpu_and_kv_cache_memory_cap() -> None:
@@ -124,31 +136,17 @@ def test_too_small_names_the_setting_to_change() -> None:
 def test_profile_num_blocks_reads_psutil_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_memory = SimpleNamespace(available=8 * GIB, total=16 * GIB)
     monkeypatch.setattr(cache.profiling.psutil, "virtual_memory", lambda: fake_memory)
-    blocks = profile_num_blocks(
-        block_bytes=BLOCK,
-        device_type="cpu",
-        memory_utilization=0.5,
-        kv_cache_memory=None,
-        max_model_len=4096,
-        block_size=16,
-    )
+    blocks = profile_num_blocks(_sizing())
     assert blocks == CPU_DEFAULT_KV_CACHE_MEMORY // BLOCK
     monkeypatch.setattr(fake_memory, "available", GIB)
-    assert profile_num_blocks(
-        block_bytes=BLOCK, device_type="cpu", memory_utilization=0.5, kv_cache_memory=None,
-        max_model_len=4096, block_size=16,
-    ) == GIB // 2 // BLOCK  # fmt: skip
+    assert profile_num_blocks(_sizing()) == GIB // 2 // BLOCK
 
 
 def test_profile_num_blocks_reads_the_given_cuda_callables() -> None:
     blocks = profile_num_blocks(
-        block_bytes=BLOCK,
-        device_type="cuda",
-        memory_utilization=0.9,
-        kv_cache_memory=2 * GIB,
-        max_model_len=4096,
-        block_size=16,
-        watermark=0.01,
+        _sizing(
+            device_type="cuda", memory_utilization=0.9, kv_cache_memory=2 * GIB, watermark=0.01
+        ),
         cuda_mem_get_info=lambda: (18 * GIB, 24 * GIB),
         cuda_memory_stats=lambda: {
             "allocated_bytes.all.current": 5 * GIB,

@@ -111,7 +111,7 @@ class FakeEngine:
 
     def run(self, max_steps: int = 10_000) -> None:
         """Step until nothing is left; fail rather than loop forever."""
-        while self.scheduler.has_unfinished():
+        while self.scheduler.num_running or self.scheduler.num_waiting:
             assert self.steps < max_steps, "scheduler made no progress"
             self.step()
 

@@ -31,7 +31,7 @@ def prompt(length: int, start: int = 0) -> list[int]:
 def admission_order(engine: FakeEngine) -> list[str]:
     """The request ids in the order the scheduler first admitted them, run to the end."""
     order: list[str] = []
-    while engine.scheduler.has_unfinished():
+    while engine.scheduler.num_running or engine.scheduler.num_waiting:
         for item in engine.step().scheduled:
             if item.seq.request_id not in order:
                 order.append(item.seq.request_id)
@@ -74,7 +74,7 @@ def test_growth_preempts_the_highest_priority_value_not_the_newest(
     engine.step()
     (chat,) = add_request(engine.scheduler, "chat", prompt(8, start=20), 20, priority=0)
     preempted = []
-    while engine.scheduler.has_unfinished():
+    while engine.scheduler.num_running or engine.scheduler.num_waiting:
         preempted += [seq.request_id for seq in engine.step().preempted]
     assert preempted and set(preempted) == {victim}
     assert batch.num_output_tokens == chat.num_output_tokens == 20

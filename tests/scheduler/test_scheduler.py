@@ -125,7 +125,7 @@ def test_newest_is_preempted_when_blocks_run_out_and_later_finishes_in_full() ->
     (old,) = add_request(engine.scheduler, "old", prompt(8), max_tokens=20)
     (new,) = add_request(engine.scheduler, "new", prompt(8, start=20), max_tokens=20)
     preempted_with: list[int] = []
-    while engine.scheduler.has_unfinished():
+    while engine.scheduler.num_running or engine.scheduler.num_waiting:
         outputs_before = list(new.output_token_ids)
         output = engine.step()
         if output.preempted:
@@ -181,7 +181,7 @@ def test_abort_frees_blocks_of_waiting_running_and_mid_prefill_sequences() -> No
     for seq in [prefilling, waiting, running, *siblings]:
         assert seq.is_finished and seq.finish_reason == "abort"
         assert seq.finished_time is not None
-    assert not scheduler.has_unfinished()
+    assert not (scheduler.num_running or scheduler.num_waiting)
     assert scheduler.num_waiting == scheduler.num_running == 0
     assert_all_blocks_free(engine.manager)
 

@@ -90,7 +90,7 @@ def test_every_request_ends_and_every_block_comes_back(
     engine = FakeEngine(scheduler, random.Random(seed))
     seqs: dict[str, list[Sequence]] = {}
     step = 0
-    while len(seqs) < len(requests) or scheduler.has_unfinished():
+    while len(seqs) < len(requests) or (scheduler.num_running or scheduler.num_waiting):
         assert step < MAX_STEPS, "a request starved"
         for arrival in requests:
             if arrival.step == step:
@@ -100,7 +100,7 @@ def test_every_request_ends_and_every_block_comes_back(
                 )  # fmt: skip
             if arrival.abort_step == step:
                 scheduler.abort(arrival.request_id)
-        if scheduler.has_unfinished():
+        if scheduler.num_running or scheduler.num_waiting:
             waiting = scheduler.waiting()
             engine.step()
             check_admission_order(waiting, policy)

@@ -106,7 +106,7 @@ def test_a_folder_replaces_the_model_config_and_overrides_win(
         generation_config=str(folder),
         override_generation_config={"max_new_tokens": 4},
     )
-    with caplog.at_level(logging.INFO, logger="engine.llm_engine"), live_server(config) as url:
+    with caplog.at_level(logging.INFO, logger="engine.engine_builder"), live_server(config) as url:
         [card] = client(url).models.list().data
         assert card.model_extra["default_sampling_params"] == {"top_k": 1, "max_tokens": 4}
         assert _completion(url)["usage"]["completion_tokens"] == 4

@@ -20,22 +20,17 @@
 //   that each row runs the very same instruction sequence at any row count. It needs K a
 //   multiple of 32; a layer without runs the AVX512-BF16 code at every row count.
 // `set_amx(false)` turns AMX off for the process (tests check both sets' invariance).
-// Why AMX at every row count where there is AMX: on a 2-core Xeon (one thread's CPU time
-// of a SmolLM2 step's linears, `python -m bench.linear_kernels --dtypes bfloat16`, two
-// runs each with and without `--without-amx`, 2026-11-25), AMX took 23-24 ms at 1 row,
-// 23-24 at 16, 34-37 at 64 and 131-157 at 512 rows; AVX512-BF16 alone 22 ms at 1 row but
-// 54, 164-166 and 1,209-1,237; oneDNN 36-39, 33-36, 42-47 and 134-154. AMX is as fast as
-// AVX512-BF16 at decode and near oneDNN in prefill; mixing the two by row count would
-// break the row invariance.
+// Why AMX at every row count where there is AMX: it is as fast as AVX512-BF16 at decode,
+// far faster from 16 rows on, and near oneDNN in prefill (`python -m bench.linear_kernels
+// --dtypes bfloat16`, with and without `--without-amx`, measures them); mixing the two by
+// row count would break the row invariance.
 //
 // Blocking, which never changes an element's arithmetic: tasks of at::parallel_for take
 // runs of output tiles; AVX512-BF16 takes 4 rows x 4 tiles at a time (16 accumulators,
 // each weight vector loaded once per 4 rows); AMX takes two blocks of 16 rows x 2 tiles
 // where a call has more than 16 rows (each A and B tile loaded once for two tile
-// products: 512 rows 165 -> 130 ms), else one block x 2 tiles with its A and B tiles
-// double-buffered so that a step's loads never wait for the previous step's tile
-// products (with one A tile and three B tiles reused in turn, a 576 x 576 layer's call
-// from the cache took 12.4 against 9.3 us at 1 row).
+// products), else one block x 2 tiles with its A and B tiles double-buffered so that a
+// step's loads never wait for the previous step's tile products.
 //
 // Layout (made by bf16_linear.py's `pack`): outputs in tiles of 16, W as [tiles, K / 2,
 // 16, 2]: the 64 bytes at [t, j] hold inputs 2j and 2j + 1 of each of the tile's 16

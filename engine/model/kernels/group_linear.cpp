@@ -98,8 +98,8 @@ void run_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_beg
   return tile_rows<8, kAffine>(w, t, q, r_begin, r_end, out, valid);
 }
 
-// Calls of at least this many rows run their blocks of 16 rows on AMX (measured faster than
-// VNNI from 16 rows on: see the header). `set_amx(false)` turns AMX off, for tests that
+// Calls of at least this many rows run their blocks of 16 rows on AMX (faster than VNNI
+// from 16 rows on: see the header). `set_amx(false)` turns AMX off, for tests that
 // compare both paths' bits.
 constexpr int64_t kAmxMinRows = 16;
 std::atomic<bool> amx_enabled{true};

@@ -13,18 +13,13 @@
 //
 // Below 8 rows (decode), a tile's two halves of 8 outputs run together, in runs of up to 2
 // rows (AVX2 has 16 vector registers), so each broadcast input serves 16 outputs. At one row
-// the kernel is memory-bound, and the hardware prefetchers alone left it at about 21 GB/s on
-// a 2-core Zen 3 whose cores stream 32 GB/s: each group asks the L2 for the codes
-// `kPrefetchBytes` ahead (about 28 GB/s measured over a 1B model's shapes, `python -m
-// bench.linear_kernels`). With more rows (prefill, batched decode) the kernel is
-// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`): on the
-// 2-core Zen 3 (one thread, the two builds' calls alternating) 1.03-1.46x the runs' speed
-// at 8 to 256 rows of a 1B model's Q4_K, Q6_K and Q4_0 shapes, 1.01-1.29x at 8 to 64 rows
-// of SmolLM2-135M's; at 4 rows decoding a tile cost more than it saved (0.93x on
-// SmolLM2's), hence `kDecodedMinRows`. Runs of 6 rows instead of 4 over 4-bit codes
-// (`decoded_run`) took a 1B model's Q4_K gate from 64-67 to 76-78 GMAC/s at 64 and 256 rows
-// and from 41-59 to 53-60 at 8 (one thread, best of 9 calls, three alternating rounds); 6-bit
-// codes, which widen after every pair of code vectors, spilled at 6 and keep runs of 4.
+// the kernel is memory-bound, and the hardware prefetchers alone leave it short of what the
+// cores can stream: each group asks the L2 for the codes `kPrefetchBytes` ahead (`python -m
+// bench.linear_kernels` measures it). With more rows (prefill, batched decode) the kernel is
+// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`), which pay
+// from `kDecodedMinRows` rows on (below it decoding a tile costs more than it saves). Runs
+// of 6 rows over 4-bit codes (`decoded_run`) beat runs of 4; 6-bit codes, which widen after
+// every pair of code vectors, would spill registers at 6 and keep runs of 4.
 
 #pragma once
 
@@ -42,8 +37,8 @@ constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
 // of `decoded_run` rows (see `decoded_tile`), from x's rows interleaved kInterleave at a time.
 constexpr int64_t kDecodedMinRows = 8;
 constexpr int64_t kInterleave = 12;
-// How far ahead of the group being computed its codes are prefetched into the L2 (measured
-// at 12, 16, 24 and 32 KB on the 2-core Zen 3: 16 to 24 KB ran fastest).
+// How far ahead of the group being computed its codes are prefetched into the L2: between
+// the distances that run fastest (16 to 24 KB).
 constexpr int64_t kPrefetchBytes = 20 * 1024;
 
 inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }

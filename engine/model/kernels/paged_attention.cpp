@@ -49,9 +49,9 @@
 // rows: a tile reads each block of its context once for all its rows, from cache. In
 // bf16 the query vectors of a KV head are computed in runs of up to four (see kMaxRun).
 //
-// Speed (`bench.attention_kernel`, 2-core AVX2): decode rows 7-20x faster than gathering
-// K/V for torch; a whole prompt 1.3x SDPA's flash kernel at 256 tokens, 0.85x at 1,024
-// and 0.54-0.64x at 4,096, where a GEMM micro-kernel's register blocking would pay.
+// Speed (`bench.attention_kernel` measures it): decode rows far faster than gathering K/V
+// for torch; a whole prompt as fast as SDPA's flash kernel at a few hundred tokens and
+// slower on long ones, where a GEMM micro-kernel's register blocking would pay.
 //
 // Parallelism. Work items (a decode row, or a tile of a prefill chunk) go to OpenMP
 // threads (torch's pool and thread count) with dynamic scheduling, because context
@@ -98,7 +98,7 @@ inline To bits_as(const From& from) {
 
 // One vector register of fp32 lanes: 16 with AVX-512, else 8. Wider GCC vectors than the
 // target's registers are split for arithmetic but lowered lane by lane for shuffles,
-// which made the reductions below about 5x slower on AVX2.
+// which would make the reductions below several times slower on AVX2.
 #ifdef __AVX512F__
 constexpr int64_t kLanes = 16;
 #else
@@ -363,9 +363,8 @@ inline void attend_tile(const Pair* q, const scalar_t* keys, const scalar_t* val
 // compile-time count, so that the loops over them unroll); a group of G is split
 // greedily, e.g. 7 = 4 + 3. Only bf16 runs several vectors at once: its vectors need
 // widening, which a run shares; fp32 vectors need none, and there the burst of
-// prefetches a run issues cost more than the shared loads saved (about 1.4x slower at
-// batch 64-128, while bf16 gained 3-25%, `bench.attention_kernel`), and prefill rows
-// gained nothing from runs either.
+// prefetches a run issues costs more than the shared loads save (`bench.attention_kernel`),
+// and prefill rows gain nothing from runs either.
 template <typename scalar_t>
 constexpr int64_t kMaxRun = std::is_same_v<scalar_t, float> ? 1 : 4;
 

@@ -194,7 +194,7 @@ def test_unset_enforce_eager_serves_eager_with_one_warning_where_it_cannot_compi
     tiny_model_paths, monkeypatch, caplog
 ) -> None:
     monkeypatch.delenv("PAGEDSERVE_ENFORCE_EAGER", raising=False)
-    with caplog.at_level("WARNING", logger="engine.llm_engine"):
+    with caplog.at_level("WARNING", logger="engine.engine_builder"):
         llm = LLM(str(tiny_model_paths["llama"]), attention_backend="torch", kv_cache_memory="4MiB")
     assert llm.engine.config.enforce_eager is None and llm.engine.runner.executor.name == "eager"
     assert [r.getMessage() for r in caplog.records] == [
