@@ -29,7 +29,7 @@ TOKENS = tuple(range(5, 5 + 3 * BLOCK + 4))  # three full blocks and a partial o
 async def replica_app(model: Path) -> AsyncIterator[Any]:
     app = build_app(tiny_config(model, block_size=BLOCK, served_model_name="tiny"))
     async with app.router.lifespan_context(app):
-        model = app.state.server.openai.models.first
+        model = app.state.server.models.first
         while model.llm is None:
             assert model.load_error is None, model.load_error
             await asyncio.sleep(0.05)
