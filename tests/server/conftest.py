@@ -31,10 +31,6 @@ from tests.support.tiny_models import build_model
 # twice that beside the other worker's tests.
 READY_TIMEOUT = 300.0
 QWEN3_TEMPLATE = (Path(__file__).parent / "fixtures" / "qwen3_chat_template.jinja").read_text()
-# The default model's servers: the shipped defaults, except that the KV cache does not
-# claim 90% of the test machine's RAM. One setting for all of them, because the compiled
-# forward's key holds the KV cache's shape: the first server compiles, the others load.
-DEFAULT_MODEL_SETTINGS: dict[str, Any] = {"kv_cache_memory": "512MiB"}
 
 
 def tiny_config(model_path: Path, **settings: Any) -> ServeConfig:

@@ -11,7 +11,8 @@ import pytest
 
 from engine.model.loader import DEFAULT_MODEL_GENERATION_CONFIG, resolve_model_folder
 from server.config import ServeConfig
-from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
+from tests.server.conftest import client, live_server
+from tests.support.default_model import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 QUESTION = [{"role": "user", "content": "Name the capital of France."}]

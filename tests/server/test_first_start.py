@@ -23,7 +23,7 @@ import pytest
 
 from bench.tables import free_port
 from engine.config import cache_root
-from tests.server.conftest import DEFAULT_MODEL_SETTINGS
+from tests.support.default_model import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 PAGEDSERVE = Path(sys.executable).with_name("pagedserve")

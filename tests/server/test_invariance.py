@@ -10,7 +10,8 @@ import openai
 import pytest
 
 from server.config import ServeConfig
-from tests.server.conftest import DEFAULT_MODEL_SETTINGS, client, live_server
+from tests.server.conftest import client, live_server
+from tests.support.default_model import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 TOPICS = ["the sea", "a library", "winter", "trains", "bread", "a violin", "the moon", "rain"]

@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 
 from server.config import ServeConfig
-from tests.server.conftest import DEFAULT_MODEL_SETTINGS, live_server
+from tests.server.conftest import live_server
+from tests.support.default_model import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

@@ -17,7 +17,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.sampling.params import StructuredOutputs
-from tests.server.conftest import DEFAULT_MODEL_SETTINGS
+from tests.support.default_model import DEFAULT_MODEL_SETTINGS
 
 pytestmark = pytest.mark.slow
 
