@@ -6,7 +6,7 @@ it."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from typing import Any
 
 import httpx
@@ -20,14 +20,28 @@ REPLICA_CPUS = 1
 REPLICAS = 2
 
 
+# Starts of a cluster whose proxy lost its port: a free port is picked before Ray starts,
+# and its own processes (or the other test worker's) may bind it first.
+PORT_ATTEMPTS = 3
+
+
 @contextmanager
 def local_cluster() -> Iterator[str]:
     """Ray Serve on a local cluster, its HTTP proxy on a free port (its URL), shut down
     when the block exits."""
     from scale_out.launch import local_serve
 
-    with local_serve(REPLICAS * REPLICA_CPUS, free_port()) as url:
-        yield url
+    for attempt in range(1, PORT_ATTEMPTS + 1):
+        stack = ExitStack()
+        try:
+            url = stack.enter_context(local_serve(REPLICAS * REPLICA_CPUS, free_port()))
+        except Exception as exc:  # Ray wraps the proxy's bind error in its task error
+            if "Failed to bind" not in str(exc) or attempt == PORT_ATTEMPTS:
+                raise
+            continue
+        with stack:
+            yield url
+        return
 
 
 @contextmanager
