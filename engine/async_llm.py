@@ -2,13 +2,14 @@
 
 Three threads share the work of a request. The event loop's coroutines only await: the
 intake thread renders, tokenizes and validates prompts with a tokenizer of its own, at a
-lowered CPU priority; the engine thread owns the engine and all torch work. A
-100k-character prompt takes the intake about 0.1 s of CPU, and streams keep flowing
-meanwhile. The event loop never touches engine state: `generate` posts commands on a
-queue that the engine thread drains before each step, and the thread posts each
+lowered CPU priority; the engine thread owns the engine, and runs its work in turns on
+the process's one torch thread (`torch_thread`: each turn applies the queued commands and
+takes one step). A 100k-character prompt takes the intake about 0.1 s of CPU, and streams
+keep flowing meanwhile. The event loop never touches engine state: `generate` posts
+commands on a queue that each turn drains before its step, and the turn posts each
 request's outputs back to that request's asyncio queue; a `snapshot` is a command too,
-answered between two steps. While no request is unfinished the thread sleeps on the
-command queue.
+answered between two steps. While no request is unfinished the engine thread sleeps on
+the command queue.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Concatenate, Generic, ParamSpec, TypeVar
 
+from engine import torch_thread
 from engine.config import EngineConfig
 from engine.errors import AdapterError, EngineError
 from engine.llm_engine import LLMEngine
@@ -140,13 +142,13 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig) -> None:
         """Start the engine thread, let it load the model, and return once it is serving.
 
-        Raises what loading raised. Every torch operation of the engine, loading included,
-        runs on that one thread: libgomp gives each thread that starts a parallel region
-        its own pool of workers, and once the pools' threads outnumber the cores it stops
-        spin-waiting between regions, so each of a step's many small regions waits for
-        its workers to wake up. The intake thread runs no torch.
+        Raises what loading raised. The model loads `torch_thread.apart`, and every later
+        torch operation of the engine runs on the torch thread (see there why); the
+        intake thread runs no torch (an adapter is read apart).
         """
         self._commands: queue.SimpleQueue[_Command] = queue.SimpleQueue()
+        self._arrived = threading.Event()  # set by each command posted (`_post`)
+        self._stopped = False  # told to stop: the engine takes no more turns
         # Sleeps asked for while requests ran: applied once the engine is idle.
         self._pending_sleeps: list[_Sleep] = []
         self._sleep_idle_seconds = config.sleep_idle_seconds
@@ -260,7 +262,7 @@ class AsyncLLM:
             if not self._answering or not self.is_healthy:
                 raise EngineError("the engine is not running")
             self._streams[request_id] = (asyncio.get_running_loop(), outputs)
-            self._commands.put(_Add(request_id, request))
+            self._post(_Add(request_id, request))
         finished = False
         try:
             while not finished:
@@ -274,7 +276,7 @@ class AsyncLLM:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(_Abort(request_id))
+                self._post(_Abort(request_id))
 
     @property
     def sleep_level(self) -> int:
@@ -300,7 +302,7 @@ class AsyncLLM:
         adapters = self.engine.adapters
         if adapters is None:
             raise AdapterError(f"adapter '{name}': this engine serves no LoRA adapters")
-        adapter = await self._on_intake(adapters.read, name, path)
+        adapter = await self._on_intake(torch_thread.apart, adapters.read, name, path)
         reply: Future[None] = Future()
         self._post_with_reply(_Adapter(adapter, name, reply))
         await asyncio.wrap_future(reply)
@@ -317,35 +319,31 @@ class AsyncLLM:
         with self._answering_lock:
             if not self._answering:
                 raise EngineError("the engine is not running")
-            self._commands.put(command)
+            self._post(command)
 
     async def shutdown(self) -> None:
-        self._commands.put(_Stop())
+        self._post(_Stop())
         await asyncio.to_thread(self._thread.join)
         self._intake.shutdown(wait=False, cancel_futures=True)
 
     async def _on_intake(self, function: Callable[..., T], *args: object) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._intake, function, *args)
 
+    def _post(self, command: _Command) -> None:
+        self._commands.put(command)
+        self._arrived.set()
+
     def _run(self, config: EngineConfig, loaded: queue.SimpleQueue) -> None:
         try:
-            self.engine = LLMEngine(config)
+            self.engine = torch_thread.apart(LLMEngine, config)
         except BaseException as exc:
             loaded.put(exc)
             return
         self.sleep_unsupported = self.engine.sleep_unsupported()
         loaded.put(self.engine)
         try:
-            while True:
-                idle = not self.engine.has_unfinished_requests()
-                if idle and self._pending_sleeps:
-                    self._sleep_now()
-                if not self._apply_commands(block=idle):
-                    return
-                if self.engine.has_unfinished_requests():
-                    self._last_active = time.monotonic()
-                    for output in self.engine.step():
-                        self._deliver(output.request_id, output)
+            while self._await_work():
+                torch_thread.turns(self._turn)
         except BaseException as exc:
             logger.exception(
                 "the engine loop died; failing the %d requests in flight, and every later "
@@ -354,7 +352,7 @@ class AsyncLLM:
             )
             self._failure = exc
         finally:
-            self.engine.close()
+            torch_thread.call(self.engine.close)
             self._stop_answering()
             # No stream is registered from now on; fail those left (all of them when the
             # loop died, those a shutdown cut short when it was stopped).
@@ -363,19 +361,41 @@ class AsyncLLM:
                 self._deliver(request_id, failure)
             self._ended.set_result(self._failure)
 
-    def _apply_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if `block`, and sleeping if none comes
-        within `sleep_idle_seconds` of the last activity); False once told to stop."""
+    def _await_work(self) -> bool:
+        """Wait until the engine has turns to take: at once while it has work or sleeps
+        pending, else until a command is posted (queuing a level-2 sleep once
+        `sleep_idle_seconds` have passed since the last activity); False once told to
+        stop. Runs on this engine's thread, between its turns: it touches no tensor."""
+        if self._stopped:
+            return False
+        idle = not (self.engine.has_unfinished_requests() or self._pending_sleeps)
+        if idle and not self._arrived.wait(self._idle_timeout()):  # the idle time is up
+            self._pending_sleeps.append(_Sleep(2, Future()))
+        self._arrived.clear()  # the turn takes every command posted before this
+        return True
+
+    def _turn(self) -> bool:
+        """The engine's turn on the torch thread: the queued commands applied, then one
+        step, or, while idle, the pending sleeps; True while it has work."""
+        if not self._apply_commands():
+            self._stopped = True
+            return False
+        if not self.engine.has_unfinished_requests():
+            if self._pending_sleeps:
+                self._sleep_now()
+            return False
+        self._last_active = time.monotonic()
+        for output in self.engine.step():
+            self._deliver(output.request_id, output)
+        return True
+
+    def _apply_commands(self) -> bool:
+        """Apply the queued commands; False once told to stop."""
         while True:
             try:
-                command = self._commands.get(block=block, timeout=self._idle_timeout(block))
+                command = self._commands.get_nowait()
             except queue.Empty:
-                if block:  # the idle time is up
-                    self._pending_sleeps.append(_Sleep(2, Future()))
-                    self._sleep_now()
-                    continue
                 return True
-            block = False
             if isinstance(command, _Stop):
                 return False
             if isinstance(command, _Abort):
@@ -417,12 +437,12 @@ class AsyncLLM:
         self.engine.wake_up()
         self._last_active = time.monotonic()
 
-    def _idle_timeout(self, block: bool) -> float | None:
-        """How long a blocking wait for a command may last before the engine sleeps; None:
-        no limit (no idle sleep, asleep already, or sleeps pending)."""
-        if not block or not self._sleep_idle_seconds or self.engine.sleep_level:
+    def _idle_timeout(self) -> float | None:
+        """How long a wait for a command may last before the engine sleeps; None: no limit
+        (no idle sleep, or asleep already)."""
+        if not self._sleep_idle_seconds or self.engine.sleep_level:
             return None
-        if self._pending_sleeps or self.sleep_unsupported is not None:
+        if self.sleep_unsupported is not None:
             return None
         return max(0.0, self._last_active + self._sleep_idle_seconds - time.monotonic())
 

@@ -1,12 +1,14 @@
-"""The engine of a pooling model: texts from many requests batched on one thread.
+"""The engine of a pooling model: texts from many requests batched together.
 
-Each text is a job; the engine thread takes every waiting job up to the token budget
-(`max_num_batched_tokens`, at least one window), runs them in one packed forward and
-answers each. A text's result does not depend on its batch (`model.py`).
+Each text is a job; each of the engine's turns on the torch thread takes every waiting
+job up to the token budget (`max_num_batched_tokens`, at least one window), runs them in
+one packed forward and answers each; the engine's own thread waits for jobs. A text's
+result does not depend on its batch (`model.py`).
 
 Invariants: every job put before the loop ends gets its answer or an exception (after,
-`run` raises at once); the loop outlives a failing batch (its jobs get the error); every
-torch operation, the load included, runs on the engine thread.
+`run` raises at once); the loop outlives a failing batch (its jobs get the error); the
+model loads `torch_thread.apart`, and each batch's forward runs on the torch thread, in
+turns with the other models' steps.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from engine import torch_thread
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.model.loader import resolve_model_source
@@ -69,7 +73,7 @@ class AsyncPooler:
     )
 
     def __init__(self, config: EngineConfig, spec: PoolingSpec) -> None:
-        """Load the model on the engine thread and return once it serves; raises what
+        """Load the model (`torch_thread.apart`) and return once it serves; raises what
         loading raised."""
         if config.device == "cuda" or config.dtype == "float16" or config.quantization in (
             "gguf", "int8", "int4",
@@ -89,8 +93,10 @@ class AsyncPooler:
         self._failure: BaseException | None = None
         self._open, self._open_lock = True, threading.Lock()  # whether jobs may be put
         self._counts = {"running": 0, "prompt_tokens": 0}
-        # Jobs taken from the queue, not yet in a batch (the engine thread's alone).
+        # Jobs taken from the queue, not yet in a batch (the engine's turns' alone).
         self._pending: deque[_Job] = deque()
+        self._stopped = False  # a _STOP was taken: no more batches
+        self._forward: Callable[[list[Text]], list[torch.Tensor]]  # set once loaded
         loaded: queue.SimpleQueue[PoolingModel | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(
             target=self._run, args=(Path(source), loaded), name="pagedserve-pooler", daemon=True
@@ -205,7 +211,7 @@ class AsyncPooler:
 
     def _run(self, folder: Path, loaded: queue.SimpleQueue) -> None:
         try:
-            model = PoolingModel(folder, self.spec, self.dtype)
+            model = torch_thread.apart(PoolingModel, folder, self.spec, self.dtype)
         except BaseException as exc:
             loaded.put(
                 exc
@@ -214,27 +220,10 @@ class AsyncPooler:
             )
             return
         loaded.put(model)
-        forward = model.classify if self.spec.task == "classify" else model.embed
+        self._forward = model.classify if self.spec.task == "classify" else model.embed
         try:
-            while (batch := self._next_batch()) is not None:
-                if not batch:  # every job taken was cancelled
-                    continue
-                self._counts["running"] = len(batch)
-                started = time.monotonic()
-                try:
-                    results = forward([job.text for job in batch])
-                except Exception as exc:  # a bad batch fails its jobs, not the engine
-                    logger.exception("a pooling batch of %d texts failed", len(batch))
-                    for job in batch:
-                        job.result.set_exception(exc)
-                else:
-                    for job, result in zip(batch, results, strict=True):
-                        job.result.set_result(result)
-                self._counts["running"] = 0
-                self._counts["prompt_tokens"] += sum(len(job.text.token_ids) for job in batch)
-                logger.debug(
-                    "pooled %d texts in %.1f ms", len(batch), 1e3 * (time.monotonic() - started)
-                )
+            while self._take(block=True):
+                torch_thread.turns(self._turn)
         except BaseException as exc:
             logger.exception("the pooling loop died")
             self._failure = exc
@@ -247,23 +236,49 @@ class AsyncPooler:
                     left.result.set_exception(failure)
             self._ended.set_result(self._failure)
 
-    def _next_batch(self) -> list[_Job] | None:
-        """The waiting jobs up to the token budget, in arrival order, marked running (those
-        cancelled are dropped; blocks while none waits); None once stopped."""
-        pending = self._pending
-        waiting = _drain(self._jobs) if pending else [self._jobs.get(), *_drain(self._jobs)]
-        jobs = [job for job in waiting if job is not _STOP]
-        pending.extend(jobs)
-        if len(jobs) < len(waiting):  # stopped: the jobs left are failed as the loop ends
-            return None
+    def _take(self, block: bool) -> bool:
+        """Move the queued jobs to `_pending`, waiting for one if `block` and none is
+        pending; False once stopped (the jobs left are failed as the loop ends)."""
+        waiting = _drain(self._jobs)
+        if block and not waiting and not self._pending:
+            waiting = [self._jobs.get(), *_drain(self._jobs)]
+        self._stopped = self._stopped or any(job is _STOP for job in waiting)
+        self._pending.extend(job for job in waiting if job is not _STOP)
+        return not self._stopped
+
+    def _turn(self) -> bool:
+        """A batch on the torch thread: the pending jobs up to the token budget, in arrival
+        order (those cancelled dropped); True while more are pending."""
+        if not self._take(block=False):
+            return False
         batch: list[_Job] = []
         tokens = 0
+        pending = self._pending
         while pending and (not batch or tokens + len(pending[0].text.token_ids) <= self._budget):
             job = pending.popleft()
             if job.result.set_running_or_notify_cancel():  # False: its request was cancelled
                 tokens += len(job.text.token_ids)
                 batch.append(job)
-        return batch
+        if batch:
+            self._pool(batch, tokens)
+        return bool(pending)
+
+    def _pool(self, batch: list[_Job], tokens: int) -> None:
+        """Answer each job of `batch` with its result, or all with the batch's error."""
+        self._counts["running"] = len(batch)
+        started = time.monotonic()
+        try:
+            results = self._forward([job.text for job in batch])
+        except Exception as exc:  # a bad batch fails its jobs, not the engine
+            logger.exception("a pooling batch of %d texts failed", len(batch))
+            for job in batch:
+                job.result.set_exception(exc)
+        else:
+            for job, result in zip(batch, results, strict=True):
+                job.result.set_result(result)
+        self._counts["running"] = 0
+        self._counts["prompt_tokens"] += tokens
+        logger.debug("pooled %d texts in %.1f ms", len(batch), 1e3 * (time.monotonic() - started))
 
 
 def _drain(jobs: queue.SimpleQueue[_Job | None]) -> list[_Job | None]:

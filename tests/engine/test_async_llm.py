@@ -126,25 +126,34 @@ def test_invalid_input_raises_before_queueing(llm: AsyncLLM):
     assert llm.stats().num_waiting == 0
 
 
-def test_the_engine_thread_builds_the_engine(
+def test_the_engine_loads_apart_and_steps_on_the_torch_thread(
     tiny_model_paths: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ):
-    """All torch work on one thread: a second thread's OpenMP pool slows every step."""
-    built_on: list[str] = []
-    build = LLMEngine.__init__
+    """The load's thread ends with the load (its OpenMP workers with it) and every step
+    runs on the process's torch thread: a second thread's pool slows every step."""
+    built_on: list[threading.Thread] = []
+    stepped_on: set[str] = set()
+    build, step = LLMEngine.__init__, LLMEngine.step
 
     def recording_init(self: LLMEngine, config: EngineConfig) -> None:
-        built_on.append(threading.current_thread().name)
+        built_on.append(threading.current_thread())
         build(self, config)
 
+    def recording_step(self: LLMEngine) -> list:
+        stepped_on.add(threading.current_thread().name)
+        return step(self)
+
     monkeypatch.setattr(LLMEngine, "__init__", recording_init)
+    monkeypatch.setattr(LLMEngine, "step", recording_step)
     config = EngineConfig(
         model=str(tiny_model_paths["llama"]), kv_cache_memory="16MiB", enforce_eager=True
     )
     llm = AsyncLLM.from_config(config)
     try:
-        assert built_on == ["pagedserve-engine"]
-        assert llm.is_healthy
+        asyncio.run(collect(llm, "hello", SamplingParams(max_tokens=3), "r"))
+        assert [thread.name for thread in built_on] == ["pagedserve-load"]
+        assert not built_on[0].is_alive()
+        assert stepped_on == {"pagedserve-torch"}
     finally:
         asyncio.run(llm.shutdown())
 
