@@ -239,6 +239,8 @@ class AsyncPooler:
     def _take(self, block: bool) -> bool:
         """Move the queued jobs to `_pending`, waiting for one if `block` and none is
         pending; False once stopped (the jobs left are failed as the loop ends)."""
+        if self._stopped:
+            return False
         waiting = _drain(self._jobs)
         if block and not waiting and not self._pending:
             waiting = [self._jobs.get(), *_drain(self._jobs)]

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
 
 from engine.config import EngineConfig
+from engine.errors import EngineError
 from engine.pooling.async_pooler import AsyncPooler
 from engine.pooling.model import PoolingModel, Text
 from engine.pooling.spec import pooling_spec
@@ -75,5 +76,24 @@ def test_a_cancelled_runs_waiting_texts_are_never_computed(tmp_path: Path):
         assert pooler.stats().prompt_tokens_total == 40 * 120
         assert pooler.stats().num_waiting == 0
         await pooler.shutdown()
+
+    asyncio.run(scenario())
+
+
+def test_a_shutdown_with_texts_waiting_fails_them_and_returns(tmp_path: Path):
+    torch.manual_seed(0)
+    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
+    (tmp_path / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
+    pooler = AsyncPooler(
+        EngineConfig(model=str(tmp_path), max_num_batched_tokens=128), pooling_spec(tmp_path)
+    )
+
+    async def scenario() -> None:
+        running = asyncio.ensure_future(pooler.run([Text(list(range(2, 122)))] * 200))
+        while pooler.stats().num_running == 0:
+            await asyncio.sleep(0.001)
+        await asyncio.wait_for(pooler.shutdown(), 30)
+        with pytest.raises(EngineError, match="shut down"):
+            await running
 
     asyncio.run(scenario())
