@@ -1,6 +1,6 @@
-"""AsyncLLM: the engine behind the server, stepping in a background thread.
+"""AsyncLLM: the engine behind the server, stepped from a background thread.
 
-Three threads share the work of a request. The event loop's coroutines only await: the
+Four threads share the work of a request. The event loop's coroutines only await: the
 intake thread renders, tokenizes and validates prompts with a tokenizer of its own, at a
 lowered CPU priority; the engine thread owns the engine, and runs its work in turns on
 the process's one torch thread (`torch_thread`: each turn applies the queued commands and
