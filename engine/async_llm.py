@@ -440,9 +440,7 @@ class AsyncLLM:
     def _idle_timeout(self) -> float | None:
         """How long a wait for a command may last before the engine sleeps; None: no limit
         (no idle sleep, or asleep already)."""
-        if not self._sleep_idle_seconds or self.engine.sleep_level:
-            return None
-        if self.sleep_unsupported is not None:
+        if not self._sleep_idle_seconds or self.engine.sleep_level or self.sleep_unsupported:
             return None
         return max(0.0, self._last_active + self._sleep_idle_seconds - time.monotonic())
 

@@ -53,13 +53,18 @@ def test_packed_texts_embed_as_the_padded_forward_by_cls(
     assert torch.allclose(got, F.normalize(states[:, 0], dim=-1), atol=1e-5)
 
 
-def test_a_cancelled_runs_waiting_texts_are_never_computed(tmp_path: Path):
+def _small_bert_pooler(folder: Path) -> AsyncPooler:
+    """A pooling engine of a random BERT saved in `folder`, 128 tokens a batch."""
     torch.manual_seed(0)
-    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
-    (tmp_path / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
-    pooler = AsyncPooler(
-        EngineConfig(model=str(tmp_path), max_num_batched_tokens=128), pooling_spec(tmp_path)
+    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(folder)
+    (folder / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
+    return AsyncPooler(
+        EngineConfig(model=str(folder), max_num_batched_tokens=128), pooling_spec(folder)
     )
+
+
+def test_a_cancelled_runs_waiting_texts_are_never_computed(tmp_path: Path):
+    pooler = _small_bert_pooler(tmp_path)
     first = [Text(list(range(2, 122))) for _ in range(40)]  # 40 batches of one text
     second = [Text(list(range(2, 12))) for _ in range(8)]
 
@@ -81,12 +86,7 @@ def test_a_cancelled_runs_waiting_texts_are_never_computed(tmp_path: Path):
 
 
 def test_a_shutdown_with_texts_waiting_fails_them_and_returns(tmp_path: Path):
-    torch.manual_seed(0)
-    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
-    (tmp_path / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
-    pooler = AsyncPooler(
-        EngineConfig(model=str(tmp_path), max_num_batched_tokens=128), pooling_spec(tmp_path)
-    )
+    pooler = _small_bert_pooler(tmp_path)
 
     async def scenario() -> None:
         running = asyncio.ensure_future(pooler.run([Text(list(range(2, 122)))] * 200))
