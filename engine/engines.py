@@ -5,10 +5,16 @@ from __future__ import annotations
 
 from engine.async_llm import AsyncLLM
 from engine.config import EngineConfig
+from engine.heap import keep_freed_memory, trim_heap
 from engine.pooling.async_pooler import AsyncPooler, pooling_model
 
 
 def start_engine(config: EngineConfig) -> AsyncLLM | AsyncPooler:
-    """Load the configured model and start serving it (blocking: call it off the loop)."""
+    """Load the configured model and start serving it (blocking: call it off the loop); the
+    process's heap keeps the memory its steps free (`heap.py`), and what loading freed is
+    handed back."""
+    keep_freed_memory()
     spec = pooling_model(config)
-    return AsyncLLM.from_config(config) if spec is None else AsyncPooler(config, spec)
+    engine = AsyncLLM.from_config(config) if spec is None else AsyncPooler(config, spec)
+    trim_heap()
+    return engine

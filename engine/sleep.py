@@ -67,14 +67,6 @@ def resident_bytes() -> int:
     return psutil.Process().memory_info().rss
 
 
-def trim_heap() -> None:
-    """Hand the C heap's free pages back to the machine (glibc's `malloc_trim`), after an
-    unloaded engine's objects were collected; a no-op where libc has no such call."""
-    trim = getattr(_libc, "malloc_trim", None)
-    if trim is not None:
-        trim(ctypes.c_size_t(0))
-
-
 def release_tensor(tensor: torch.Tensor) -> None:
     """Return the pages inside `tensor`'s storage (a CPU tensor in anonymous memory) to the
     system; they read as zeros when touched again. The partial pages at either end stay."""

@@ -38,9 +38,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from engine.async_llm import AsyncLLM
 from engine.errors import SETTINGS_ERRORS, AdapterError, ModelLoadError
+from engine.heap import trim_heap
 from engine.model.loader import resolve_model_source, weights_bytes
 from engine.pooling.async_pooler import AsyncPooler
-from engine.sleep import trim_heap
 from server.admission import Deadline
 from server.errors import OpenAIError, deadline_exceeded
 from server.served_model import ModelState, ServedModel
