@@ -5,9 +5,10 @@ default glibc serves a block of more than 128 KiB (a threshold it raises, up to 
 such blocks are freed) with a fresh `mmap`, unmapped again on free, and hands the free top
 of a heap back to the kernel once it passes twice that threshold; so the pages of a step's
 activations went back to the kernel after each step and the next step faulted them in
-again, each zero-filled: all-MiniLM-L6-v2 embedding 64 texts took 450,000 page faults.
-`keep_freed_memory` keeps blocks up to 32 MiB in the heap and up to 256 MiB of free memory at
-its top, so steps reuse their pages (70,000-125,000 faults; `docs/embeddings.md`).
+again, each zero-filled (an all-MiniLM-L6-v2 server took 594,000 page faults embedding
+128 texts three ways). `keep_freed_memory` keeps blocks up to 32 MiB in the heap and up to
+256 MiB of free memory at its top, so steps reuse their pages (67,000 faults; see
+`docs/operations.md`).
 
 Invariants: after `keep_freed_memory` a heap holds at most `KEEP_FREE` bytes of free
 memory at its top (per arena: in practice the torch thread's); `trim_heap` hands every

@@ -205,5 +205,6 @@ def test_unloading_gives_back_what_loading_took(tmp_path: Path) -> None:
                 f"{url}/models/unload", json={"model": "smollm2"}, timeout=300
             ).is_success
             after_unload.append(process.memory_info().rss)
-            assert loaded - after_unload[-1] > 0.8 * (loaded - before) > 512 * 2**20
+            assert loaded - before > 512 * 2**20  # at least the KV cache, zero-filled
+            assert loaded - after_unload[-1] > 0.8 * (loaded - before)
         assert after_unload[-1] < 1.1 * after_unload[1]
