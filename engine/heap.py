@@ -29,13 +29,14 @@ MMAP_THRESHOLD = 32 << 20
 # The free memory a heap keeps at its top before handing it back.
 KEEP_FREE = 256 << 20
 
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+# The C library, with errno kept for callers that check it (`sleep.py`'s madvise).
+LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 
 
 def keep_freed_memory() -> None:
     """Keep blocks of up to `MMAP_THRESHOLD` bytes in the heap and up to `KEEP_FREE` bytes
     of free memory at a heap's top, for the whole process (idempotent)."""
-    mallopt = getattr(_libc, "mallopt", None)
+    mallopt = getattr(LIBC, "mallopt", None)
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         mallopt(M_TRIM_THRESHOLD, KEEP_FREE)
@@ -44,6 +45,6 @@ def keep_freed_memory() -> None:
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the machine (glibc's `malloc_trim`), in every
     arena, whatever `KEEP_FREE` says."""
-    trim = getattr(_libc, "malloc_trim", None)
+    trim = getattr(LIBC, "malloc_trim", None)
     if trim is not None:
         trim(ctypes.c_size_t(0))

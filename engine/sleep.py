@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
 import dataclasses
 import mmap
 import sys
@@ -33,6 +32,8 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
+
+from engine.heap import LIBC
 
 MADV_DONTNEED = 4
 PAGE = mmap.PAGESIZE
@@ -145,8 +146,5 @@ def _unwritten(starts: set[int]) -> set[int]:
 
 
 def _madvise(address: int, length: int) -> None:
-    if _libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED) != 0:
+    if LIBC.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_DONTNEED) != 0:
         raise OSError(ctypes.get_errno(), f"madvise({address:#x}, {length}) failed")
-
-
-_libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
