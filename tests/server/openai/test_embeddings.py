@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import resource
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -214,19 +213,6 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
     for i in (0, 17, 63):
         alone = _vectors(_embed(server, texts[i], encoding_format="base64"))[0]
         assert np.array_equal(alone, batched[i]), i
-
-
-def test_warm_batches_fault_no_pages_in(server: str):
-    """The heap keeps the pages a forward frees (`engine/heap.py`): with glibc's defaults
-    these three batches took 163,000 page faults, their pages handed back and faulted in
-    again (the bound leaves room for the process's other threads)."""
-    texts = _texts(64, seed=2)
-    for _ in range(3):
-        _vectors(_embed(server, texts))
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(3):
-        _vectors(_embed(server, texts))
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before < 10_000
 
 
 @pytest.mark.parametrize(
