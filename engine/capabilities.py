@@ -120,17 +120,31 @@ def gguf_install(dtype: torch.dtype) -> Install:
     return lambda model, path: gguf_store.install(model, path, dtype, rows)
 
 
-def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> None:
+def pack(model: PreTrainedModel, device: torch.device, dtype: torch.dtype) -> Callable[[int], int]:
     """Pack the model's remaining `nn.Linear`s where packing runs (the CPU); without the
-    linears component they stay as they are (the same results, slower), with a warning."""
+    linears component they stay as they are (the same results, slower), with a warning.
+    Returns the row count the linears compute a call of n rows with (n where nothing was
+    packed): rows padded to it once, up front, are not padded again by every linear."""
     try:
-        from engine.linears.packed_linear import can_pack, pack_linear_layers
+        from engine.linears.packed_linear import (
+            PackedLinear,
+            can_pack,
+            pack_linear_layers,
+            padded_rows,
+        )
     except ImportError as exc:
         if device.type == "cpu":
             logger.warning("linears not packed: %s", missing("engine.linears", exc))
-        return
-    if can_pack(device, dtype):
-        pack_linear_layers(model)
+        return _as_given
+    if not can_pack(device, dtype):
+        return _as_given
+    pack_linear_layers(model)
+    packed = any(isinstance(module, PackedLinear) for module in model.modules())
+    return padded_rows if packed else _as_given
+
+
+def _as_given(rows: int) -> int:
+    return rows
 
 
 def lora_adapters(model: PreTrainedModel, device: torch.device, config: EngineConfig) -> Adapters:

@@ -1,12 +1,15 @@
-"""A pooling model's forward. An encoder of the BERT family (`PACKED_TYPES`) runs on
-packed rows: the texts of a batch side by side, no padding, each text's attention over its
-own tokens only. Any other model runs each text alone through its own forward: a decoder
-(an embedder in Qwen3-Embedding's layout), causal as it was trained, and ModernBERT, whose
-layers alternate global and sliding-window attention.
+"""A pooling model's forward. An encoder of the BERT family (`PACKED_ENCODERS`) and a
+causal decoder of the Llama family (`PACKED_DECODERS`: an embedder in Qwen3-Embedding's
+layout, a decoder reranker) run on packed rows: the texts of a batch side by side, then
+padding rows up to the row count the packed linears compute with, each text's attention
+over its own tokens only (`_layer` for encoders, `text_attention` for decoders). Any other
+model runs each text alone through its own forward: ModernBERT, whose layers alternate
+global and sliding-window attention, and a decoder's sequence-classification head.
 
 Invariant: a text's output has the same bits alone or in any batch. Every linear is
 packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
-LayerNorm and activations work row by row, and attention runs per text on its own rows.
+norms, rotary embeddings and activations work row by row, and attention runs per text on
+its own rows.
 """
 
 from __future__ import annotations
@@ -28,9 +31,12 @@ from transformers import (
 from engine import capabilities
 from engine.errors import ModelLoadError
 from engine.pooling.spec import PoolingSpec
+from engine.pooling.text_attention import attend_text_by_text
 
 # The encoders whose layers `_layer` runs on packed rows (a BertLayer's shape).
-PACKED_TYPES = ("bert", "roberta", "xlm-roberta")
+PACKED_ENCODERS = ("bert", "roberta", "xlm-roberta")
+# The causal decoders whose own forward runs on packed rows, attending text by text.
+PACKED_DECODERS = ("gemma", "llama", "mistral", "phi3", "qwen2", "qwen3")
 
 
 @dataclass(frozen=True)
@@ -63,9 +69,16 @@ class PoolingModel:
         self.dtype = dtype
         self.config = model.config
         self.base = model.base_model
-        self.packed = not spec.causal and self.config.model_type in PACKED_TYPES
+        kind = self.config.model_type
+        self.packed_encoder = not spec.causal and kind in PACKED_ENCODERS
+        causal = getattr(self.config, "is_causal", True)
+        self.packed_decoder = spec.causal and kind in PACKED_DECODERS and causal
+        if self.packed_decoder:
+            attend_text_by_text(model)
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
-        capabilities.pack(self.model, torch.device("cpu"), dtype)
+        # The row count the linears compute n rows with: a batch's rows are padded to it
+        # once, not by each linear.
+        self.padded_rows = capabilities.pack(self.model, torch.device("cpu"), dtype)
         positions = self.config.max_position_embeddings
         # RoBERTa's positions start after its padding index.
         roberta = self.config.model_type in ("roberta", "xlm-roberta")
@@ -77,23 +90,31 @@ class PoolingModel:
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
         """Each text's last hidden states `[len, hidden]`."""
-        if not self.packed:  # each text alone, through the model's own forward
+        if not self.packed_encoder and not self.packed_decoder:  # each text alone, its own forward
             return [
                 self.base(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0]
                 for text in texts
             ]
         lengths = [len(text.token_ids) for text in texts]
-        ids = torch.tensor([t for text in texts for t in text.token_ids])
+        total = sum(lengths)
+        padding = [0] * (self.padded_rows(total) - total)  # rows of token 0 at position 0
+        ids = torch.tensor([t for text in texts for t in text.token_ids] + padding)[None]
+        positions = torch.cat([torch.arange(n) for n in lengths] + [torch.tensor(padding)])
+        positions = positions.long()[None] + self.position_offset
+        if self.packed_decoder:
+            states = self.base(
+                input_ids=ids, position_ids=positions, use_cache=False, text_lengths=lengths
+            )
+            return list(states.last_hidden_state[0, :total].split(lengths))
         types = torch.tensor(
             [s for text in texts for s in (text.token_type_ids or [0] * len(text.token_ids))]
+            + padding
         )
-        positions = torch.cat([torch.arange(n) for n in lengths]) + self.position_offset
-        x = self.base.embeddings(
-            input_ids=ids[None], token_type_ids=types[None], position_ids=positions[None]
-        )[0]
+        x = self.base.embeddings(input_ids=ids, token_type_ids=types[None], position_ids=positions)
+        x = x[0]
         for layer in self.base.encoder.layer:
             x = _layer(layer, x, lengths)
-        return list(x.split(lengths))
+        return list(x[:total].split(lengths))
 
     @torch.inference_mode()
     def embed(self, texts: list[Text]) -> list[torch.Tensor]:
@@ -132,7 +153,7 @@ class PoolingModel:
             return [
                 (states[-1].float() @ self.reranker)[None] for states in self.hidden_states(texts)
             ]
-        if not self.packed:  # the model's own head, over each text alone
+        if not self.packed_encoder:  # the model's own head, over each text alone
             return [
                 self.model(input_ids=torch.tensor([text.token_ids])).logits[0].float()
                 for text in texts
@@ -151,7 +172,9 @@ def _head_input(model: nn.Module, firsts: torch.Tensor) -> torch.Tensor:
 
 
 def _layer(layer: Any, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """One encoder layer (a BertLayer's shape) over packed rows `x [tokens, hidden]`."""
+    """One encoder layer (a BertLayer's shape) over packed rows `x [tokens, hidden]`: the
+    texts' rows (`lengths`), then padding rows, which attend to nothing and which nothing
+    attends to (every other operation is row by row)."""
     attention = layer.attention.self
     heads, size = attention.num_attention_heads, attention.attention_head_size
     q, k, v = attention.query(x), attention.key(x), attention.value(x)
@@ -164,6 +187,7 @@ def _layer(layer: Any, x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
         out = F.scaled_dot_product_attention(*per_head)
         mixed[rows] = out.transpose(1, 2).reshape(n, heads * size)
         start += n
+    mixed[start:] = 0  # the padding rows, which no text attends to
     out = layer.attention.output
     x = out.LayerNorm(out.dense(mixed) + x)
     return layer.output.LayerNorm(layer.output.dense(layer.intermediate(x)) + x)

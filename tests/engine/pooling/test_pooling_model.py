@@ -1,5 +1,6 @@
 """The packed encoder against transformers' own padded forward, on a random BERT and a
-random RoBERTa (whose positions start after the padding index)."""
+random RoBERTa (whose positions start after the padding index); packed decoders against
+their own forward, text by text."""
 
 from __future__ import annotations
 
@@ -9,13 +10,25 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import BertConfig, BertModel, RobertaConfig, RobertaModel
+from transformers import (
+    AutoModel,
+    BertConfig,
+    BertModel,
+    GemmaConfig,
+    LlamaConfig,
+    MistralConfig,
+    Phi3Config,
+    Qwen2Config,
+    Qwen3Config,
+    RobertaConfig,
+    RobertaModel,
+)
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.pooling.async_pooler import AsyncPooler
-from engine.pooling.model import PoolingModel, Text
-from engine.pooling.spec import pooling_spec
+from engine.pooling.model import PACKED_DECODERS, PoolingModel, Text
+from engine.pooling.spec import PoolingSpec, pooling_spec
 
 SHAPE = dict(
     vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -51,6 +64,43 @@ def test_packed_texts_embed_as_the_padded_forward_by_cls(
     with torch.no_grad():
         states = reference(input_ids=ids, attention_mask=mask).last_hidden_state
     assert torch.allclose(got, F.normalize(states[:, 0], dim=-1), atol=1e-5)
+
+
+DECODER_SHAPE = dict(
+    vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, intermediate_size=128, max_position_embeddings=256,
+)  # fmt: skip
+DECODERS = {
+    "llama": LlamaConfig(**DECODER_SHAPE),
+    "mistral": MistralConfig(**DECODER_SHAPE, sliding_window=8),  # texts see past it
+    "qwen2": Qwen2Config(**DECODER_SHAPE),
+    "qwen3": Qwen3Config(**DECODER_SHAPE, head_dim=16),
+    "gemma": GemmaConfig(**DECODER_SHAPE, head_dim=16),
+    "phi3": Phi3Config(**DECODER_SHAPE, pad_token_id=0),
+}
+
+
+@pytest.mark.parametrize("kind", sorted(DECODERS))
+def test_packed_decoder_texts_are_their_own_forwards_states_alone_and_batched(
+    tmp_path: Path, kind: str
+):
+    """Last-token pooling of a batch of texts equals each text's own forward through the
+    model's own attention (within 1e-5), and each text's vector has the same bits alone."""
+    assert kind in PACKED_DECODERS
+    torch.manual_seed(0)
+    AutoModel.from_config(DECODERS[kind]).save_pretrained(tmp_path)
+    spec = PoolingSpec(task="embed", pooling="last", causal=True)
+    decoder = PoolingModel(tmp_path, spec, torch.float32)
+    assert decoder.packed_decoder
+    lengths = [3, 17, 1, 40, 9, 25]
+    texts = [Text(torch.randint(2, 300, (n,)).tolist()) for n in lengths]
+    got = decoder.embed(texts)
+    reference = AutoModel.from_pretrained(tmp_path).eval()
+    for text, vector in zip(texts, got, strict=True):
+        with torch.no_grad():
+            states = reference(input_ids=torch.tensor([text.token_ids])).last_hidden_state
+        assert torch.allclose(vector, F.normalize(states[0, -1], dim=0), atol=1e-5)
+        assert torch.equal(decoder.embed([text])[0], vector)
 
 
 def _small_bert_pooler(folder: Path) -> AsyncPooler:
