@@ -99,8 +99,8 @@ class PoolingModel:
         total = sum(lengths)
         padding = [0] * (self.padded_rows(total) - total)  # rows of token 0 at position 0
         ids = torch.tensor([t for text in texts for t in text.token_ids] + padding)[None]
-        positions = torch.cat([torch.arange(n) for n in lengths] + [torch.tensor(padding)])
-        positions = positions.long()[None] + self.position_offset
+        positions = torch.tensor([p for n in lengths for p in range(n)] + padding)[None]
+        positions += self.position_offset
         if self.packed_decoder:
             states = self.base(
                 input_ids=ids, position_ids=positions, use_cache=False, text_lengths=lengths
@@ -109,9 +109,8 @@ class PoolingModel:
         types = torch.tensor(
             [s for text in texts for s in (text.token_type_ids or [0] * len(text.token_ids))]
             + padding
-        )
-        x = self.base.embeddings(input_ids=ids, token_type_ids=types[None], position_ids=positions)
-        x = x[0]
+        )[None]
+        x = self.base.embeddings(input_ids=ids, token_type_ids=types, position_ids=positions)[0]
         for layer in self.base.encoder.layer:
             x = _layer(layer, x, lengths)
         return list(x[:total].split(lengths))
