@@ -33,7 +33,14 @@ ATTN_IMPLEMENTATION = "pagedserve"
 
 # Arguments transformers' attention modules pass that do not change inference attention.
 NEUTRAL_ARGUMENTS = frozenset(
-    {"position_ids", "use_cache", "output_router_logits", "cache_position", "output_attentions"}
+    {
+        "position_ids",
+        "use_cache",
+        "output_router_logits",
+        "cache_position",
+        "output_attentions",
+        "deterministic",  # flash attention's backward pass (ModernBERT passes it)
+    }
 )
 
 

@@ -1,10 +1,10 @@
-"""A pooling model's forward. An encoder of the BERT family (`PACKED_ENCODERS`) and a
-causal decoder of the Llama family (`PACKED_DECODERS`: an embedder in Qwen3-Embedding's
-layout, a decoder reranker) run on packed rows: the texts of a batch side by side, then
-padding rows up to the row count the packed linears compute with, each text's attention
-over its own tokens only (`_layer` for encoders, `text_attention` for decoders). Any other
-model runs each text alone through its own forward: ModernBERT, whose layers alternate
-global and sliding-window attention, and a decoder's sequence-classification head.
+"""A pooling model's forward. An encoder of the BERT family (`PACKED_ENCODERS`), ModernBERT
+(`PACKED_FORWARD_ENCODERS`) and the decoders of the Llama and Gemma families
+(`PACKED_DECODERS`: an embedder in Qwen3-Embedding's layout, a decoder reranker) run on
+packed rows: the texts of a batch side by side, then padding rows up to the row count the
+packed linears compute with, each text's attention over its own tokens only (`_layer` for
+the BERT family; for the others, their own forward attending through `text_attention`).
+Any other model runs each text alone through its own forward.
 
 Invariant: a text's output has the same bits alone or in any batch. Every linear is
 packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
@@ -35,8 +35,10 @@ from engine.pooling.text_attention import attend_text_by_text
 
 # The encoders whose layers `_layer` runs on packed rows (a BertLayer's shape).
 PACKED_ENCODERS = ("bert", "roberta", "xlm-roberta")
-# The causal decoders whose own forward runs on packed rows, attending text by text.
-PACKED_DECODERS = ("gemma", "llama", "mistral", "phi3", "qwen2", "qwen3")
+# The decoders and encoders whose own forward runs on packed rows, attending text by text
+# (gemma2 caps its attention logits; gemma3's layers may attend both ways).
+PACKED_DECODERS = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
+PACKED_FORWARD_ENCODERS = ("modernbert",)
 
 
 @dataclass(frozen=True)
@@ -71,9 +73,12 @@ class PoolingModel:
         self.base = model.base_model
         kind = self.config.model_type
         self.packed_encoder = not spec.causal and kind in PACKED_ENCODERS
+        # A decoder configured to attend both ways where its layers do not say so is not
+        # packed (its own forward's masks decide).
         causal = getattr(self.config, "is_causal", True)
-        self.packed_decoder = spec.causal and kind in PACKED_DECODERS and causal
-        if self.packed_decoder:
+        packed = PACKED_DECODERS if spec.causal else PACKED_FORWARD_ENCODERS
+        self.packed_forward = kind in packed and causal
+        if self.packed_forward:
             attend_text_by_text(model)
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
         # The row count the linears compute n rows with: a batch's rows are padded to it
@@ -90,7 +95,7 @@ class PoolingModel:
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
         """Each text's last hidden states `[len, hidden]`."""
-        if not self.packed_encoder and not self.packed_decoder:  # each text alone, its own forward
+        if not self.packed_encoder and not self.packed_forward:  # each text alone, its own forward
             return [
                 self.base(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0]
                 for text in texts
@@ -101,7 +106,7 @@ class PoolingModel:
         ids = torch.tensor([t for text in texts for t in text.token_ids] + padding)[None]
         positions = torch.tensor([p for n in lengths for p in range(n)] + padding)[None]
         positions += self.position_offset
-        if self.packed_decoder:
+        if self.packed_forward:
             states = self.base(
                 input_ids=ids, position_ids=positions, use_cache=False, text_lengths=lengths
             )
@@ -152,6 +157,8 @@ class PoolingModel:
             return [
                 (states[-1].float() @ self.reranker)[None] for states in self.hidden_states(texts)
             ]
+        if self.config.model_type == "modernbert" and self.packed_forward:
+            return self._modernbert_logits(texts)
         if not self.packed_encoder:  # the model's own head, over each text alone
             return [
                 self.model(input_ids=torch.tensor([text.token_ids])).logits[0].float()
@@ -159,6 +166,16 @@ class PoolingModel:
             ]
         firsts = torch.stack([states[:1] for states in self.hidden_states(texts)])
         return list(self.model.classifier(_head_input(self.model, firsts)).float())
+
+    def _modernbert_logits(self, texts: list[Text]) -> list[torch.Tensor]:
+        """ModernBertForSequenceClassification's logits: each text's first state or mean
+        (`classifier_pooling`, the mean as its masked sum over the count), its head."""
+        cls = self.config.classifier_pooling == "cls"
+        pooled = torch.stack(
+            [s[0] if cls else s.sum(dim=0) / len(s) for s in self.hidden_states(texts)]
+        )
+        model = self.model
+        return list(model.classifier(model.drop(model.head(pooled))).float())
 
 
 def _head_input(model: nn.Module, firsts: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ from engine.errors import ModelLoadError
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # Decoders served as embedders from a sentence-transformers folder (Qwen3-Embedding's
 # layout: last-token pooling, normalized), causal (`model.PACKED_DECODERS` run packed).
-DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3")
+DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
 ST_MODULES = "sentence_transformers.models."
 POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",

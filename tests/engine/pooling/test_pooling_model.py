@@ -1,6 +1,6 @@
 """The packed encoder against transformers' own padded forward, on a random BERT and a
-random RoBERTa (whose positions start after the padding index); packed decoders against
-their own forward, text by text."""
+random RoBERTa (whose positions start after the padding index); packed decoders and
+ModernBERT against their own forward, text by text."""
 
 from __future__ import annotations
 
@@ -14,9 +14,13 @@ from transformers import (
     AutoModel,
     BertConfig,
     BertModel,
+    Gemma2Config,
+    Gemma3TextConfig,
     GemmaConfig,
     LlamaConfig,
     MistralConfig,
+    ModernBertConfig,
+    ModernBertForSequenceClassification,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -27,7 +31,7 @@ from transformers import (
 from engine.config import EngineConfig
 from engine.errors import EngineError
 from engine.pooling.async_pooler import AsyncPooler
-from engine.pooling.model import PACKED_DECODERS, PoolingModel, Text
+from engine.pooling.model import PACKED_DECODERS, PACKED_FORWARD_ENCODERS, PoolingModel, Text
 from engine.pooling.spec import PoolingSpec, pooling_spec
 
 SHAPE = dict(
@@ -76,6 +80,23 @@ DECODERS = {
     "qwen2": Qwen2Config(**DECODER_SHAPE),
     "qwen3": Qwen3Config(**DECODER_SHAPE, head_dim=16),
     "gemma": GemmaConfig(**DECODER_SHAPE, head_dim=16),
+    # Logits capped at 2 (weights drawn wide enough for the logits to pass it), local
+    # layers of 8 rows.
+    "gemma2": Gemma2Config(
+        **DECODER_SHAPE,
+        head_dim=16,
+        attn_logit_softcapping=2.0,
+        sliding_window=8,
+        initializer_range=0.5,
+    ),
+    # EmbeddingGemma's layers: both ways, the local ones 8 rows either side.
+    "gemma3_text": Gemma3TextConfig(
+        **DECODER_SHAPE,
+        head_dim=16,
+        sliding_window=8,
+        use_bidirectional_attention=True,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
     "phi3": Phi3Config(**DECODER_SHAPE, pad_token_id=0),
 }
 
@@ -88,10 +109,10 @@ def test_packed_decoder_texts_are_their_own_forwards_states_alone_and_batched(
     model's own attention (within 1e-5), and each text's vector has the same bits alone."""
     assert kind in PACKED_DECODERS
     torch.manual_seed(0)
-    AutoModel.from_config(DECODERS[kind]).save_pretrained(tmp_path)
+    AutoModel.from_config(DECODERS[kind], attn_implementation="eager").save_pretrained(tmp_path)
     spec = PoolingSpec(task="embed", pooling="last", causal=True)
     decoder = PoolingModel(tmp_path, spec, torch.float32)
-    assert decoder.packed_decoder
+    assert decoder.packed_forward
     lengths = [3, 17, 1, 40, 9, 25]
     texts = [Text(torch.randint(2, 300, (n,)).tolist()) for n in lengths]
     got = decoder.embed(texts)
@@ -101,6 +122,38 @@ def test_packed_decoder_texts_are_their_own_forwards_states_alone_and_batched(
             states = reference(input_ids=torch.tensor([text.token_ids])).last_hidden_state
         assert torch.allclose(vector, F.normalize(states[0, -1], dim=0), atol=1e-5)
         assert torch.equal(decoder.embed([text])[0], vector)
+
+
+@pytest.mark.parametrize("pooling", ["cls", "mean"])
+def test_packed_modernbert_embeds_and_classifies_as_its_own_forward(tmp_path: Path, pooling: str):
+    """ModernBERT's texts packed (global layers, and local ones of 8 rows that most texts
+    pass): each text's mean embedding and its classifier's logits equal its own forward's
+    (within 1e-5), and have the same bits alone."""
+    torch.manual_seed(0)
+    config = ModernBertConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, global_attn_every_n_layers=3, local_attention=8, num_labels=2,
+        classifier_pooling=pooling, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+        cls_token_id=1, sep_token_id=2,
+    )  # fmt: skip
+    ModernBertForSequenceClassification(config).save_pretrained(tmp_path)
+    assert config.model_type in PACKED_FORWARD_ENCODERS
+    lengths = [3, 17, 1, 40, 9, 25]
+    texts = [Text(torch.randint(3, 300, (n,)).tolist()) for n in lengths]
+    reference = ModernBertForSequenceClassification.from_pretrained(tmp_path).eval()
+    embedder = PoolingModel(tmp_path, PoolingSpec(task="embed", pooling="mean"), torch.float32)
+    classifier = PoolingModel(tmp_path, PoolingSpec(task="classify"), torch.float32)
+    assert embedder.packed_forward and classifier.packed_forward
+    vectors, logits = embedder.embed(texts), classifier.classify(texts)
+    for text, vector, logit in zip(texts, vectors, logits, strict=True):
+        ids = torch.tensor([text.token_ids])
+        with torch.no_grad():
+            states = reference.model(input_ids=ids).last_hidden_state[0]
+            want = reference(input_ids=ids).logits[0]
+        assert torch.allclose(vector, F.normalize(states.mean(dim=0), dim=0), atol=1e-5)
+        assert torch.allclose(logit, want, atol=1e-5)
+        assert torch.equal(embedder.embed([text])[0], vector)
+        assert torch.equal(classifier.classify([text])[0], logit)
 
 
 def _small_bert_pooler(folder: Path) -> AsyncPooler:

@@ -222,9 +222,8 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
 def test_a_decoder_and_modernbert_embed_as_sentence_transformers(
     server: str, name: str, folder: str, request: pytest.FixtureRequest
 ):
-    """A decoder (last-token pooling, its texts packed) and ModernBERT (mean pooling,
-    sliding windows, each text through its own forward): the reference's embeddings, and
-    alone = batched."""
+    """A decoder (last-token pooling) and ModernBERT (mean pooling, sliding windows), their
+    texts packed: the reference's embeddings, and alone = batched."""
     texts = _texts(40, seed=2)
     got = _vectors(_embed(server, texts, model=name, encoding_format="base64"))
     reference = SentenceTransformer(str(request.getfixturevalue(folder)), device="cpu")
