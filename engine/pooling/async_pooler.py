@@ -121,7 +121,7 @@ class AsyncPooler:
             )  # fmt: skip
         self.max_model_len = min(config.max_model_len or window, window)
         self._budget = max(config.max_num_batched_tokens, self.max_model_len)
-        self.hidden_size = model.hidden_size
+        self.embedding_size = model.embedding_size
         self.vocab_size = model.config.vocab_size
         self.num_labels = 0
         if spec.task == "classify":

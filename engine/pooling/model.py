@@ -30,6 +30,7 @@ from transformers import (
 
 from engine import capabilities
 from engine.errors import ModelLoadError
+from engine.pooling.dense import load_dense
 from engine.pooling.spec import PoolingSpec
 from engine.pooling.text_attention import attend_text_by_text
 
@@ -90,7 +91,11 @@ class PoolingModel:
         self.position_offset = self.config.pad_token_id + 1 if roberta else 0
         window = positions - self.position_offset
         self.max_length = min(spec.max_length or window, window)
-        self.hidden_size = self.config.hidden_size
+        self.dense = [load_dense(dense) for dense in spec.dense]
+        # The width of an embedding: the last Dense module's, else the model's.
+        self.embedding_size = (
+            self.dense[-1][0].out_features if self.dense else self.config.hidden_size
+        )
 
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:
@@ -122,7 +127,8 @@ class PoolingModel:
 
     @torch.inference_mode()
     def embed(self, texts: list[Text]) -> list[torch.Tensor]:
-        """Each text's pooled vector (fp32), normalized where the spec says."""
+        """Each text's pooled vector (fp32), through the Dense modules, normalized where
+        the spec says."""
         pooled = []
         for states in self.hidden_states(texts):
             if self.spec.pooling == "mean":
@@ -131,6 +137,8 @@ class PoolingModel:
                 vector = states[-1].float()
             else:
                 vector = states[0].float()
+            for dense in self.dense:
+                vector = dense(vector[None])[0]
             pooled.append(F.normalize(vector, dim=0) if self.spec.normalize else vector)
         return pooled
 

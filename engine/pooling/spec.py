@@ -1,8 +1,11 @@
 """What a pooling model is and how it pools, read from its folder before any weight.
 
-A sentence-transformers folder (`modules.json`) names its modules: the transformer (this
-folder), a `Pooling` module (`1_Pooling/config.json`: CLS, mean or last-token pooling) and
-an optional `Normalize`; `sentence_bert_config.json` gives its window (`max_seq_length`).
+A sentence-transformers folder (`modules.json`, in the layout of sentence-transformers 2
+to 6) names its modules: the transformer (this folder), a `Pooling` module
+(`1_Pooling/config.json`: CLS, mean or last-token pooling), any `Dense` modules (a linear
+and an activation over the pooled vector, as EmbeddingGemma's) and an optional
+`Normalize`, last; `sentence_bert_config.json` gives its window (`max_seq_length`), or
+the tokenizer's `model_max_length` where sentence-transformers 6 saved it.
 A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers folder, and a
 reranker where `hf_overrides` make it a `*ForSequenceClassification` with
 `classifier_from_token` (vLLM's way to serve Qwen3-Reranker).
@@ -11,7 +14,7 @@ A plain transformers folder is a pooling model by its architecture: an encoder
 pooling, normalized, as
 vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
 its classifier (a cross-encoder). Anything else the folder asks for (another pooling
-mode, a Dense module) is refused by name.
+mode or module, a Dense activation outside `DENSE_ACTIVATIONS`) is refused by name.
 """
 
 from __future__ import annotations
@@ -27,12 +30,24 @@ ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
 # Decoders served as embedders from a sentence-transformers folder (Qwen3-Embedding's
 # layout: last-token pooling, normalized), causal (`model.PACKED_DECODERS` run packed).
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")
-ST_MODULES = "sentence_transformers.models."
+# Pooling modes served, by their sentence-transformers 6 names and their older keys.
+POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 POOLING_KEYS = {
     "pooling_mode_cls_token": "cls",
     "pooling_mode_mean_tokens": "mean",
     "pooling_mode_lasttoken": "last",
 }
+# The activations a Dense module may name (torch.nn's classes, by sentence-transformers'
+# full names, as `torch.nn.modules.activation.Tanh`).
+DENSE_ACTIVATIONS = ("GELU", "Identity", "ReLU", "SiLU", "Sigmoid", "Tanh")
+
+
+@dataclass(frozen=True)
+class DenseSpec:
+    """A Dense module: `activation(linear(x))` over the pooled vector, its weights in `path`."""
+
+    path: Path
+    activation: str = "Tanh"
 
 
 @dataclass(frozen=True)
@@ -50,6 +65,7 @@ class PoolingSpec:
     # A decoder reranker's two tokens (vLLM's `classifier_from_token`): its score is the
     # LM head's softmax over (first, second) at the last token, given to the second.
     classifier_tokens: tuple[str, str] | None = None
+    dense: tuple[DenseSpec, ...] = ()  # applied in order to the pooled vector
 
 
 def _json(path: Path) -> dict:
@@ -91,14 +107,19 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
         return PoolingSpec("embed", "cls", True, _window(folder), matryoshka)
     pooling: Literal["cls", "mean", "last"] = "cls"
     normalize = False
+    dense: list[DenseSpec] = []
     for module in _json(modules):
-        kind = str(module.get("type", "")).removeprefix(ST_MODULES)
+        kind = _module_kind(str(module.get("type", "")))
         path = folder / module.get("path", "")
+        if normalize:
+            raise ModelLoadError(f"{modules}: the module '{kind}' follows Normalize")
         if kind == "Transformer":
             if path != folder:
                 raise ModelLoadError(f"{modules}: the transformer must be the folder itself")
         elif kind == "Pooling":
             pooling = _pooling_mode(_json(path / "config.json"), path)
+        elif kind == "Dense":
+            dense.append(_dense(path))
         elif kind == "Normalize":
             normalize = True
         else:
@@ -107,7 +128,30 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
             )
     if not encoder and pooling == "cls":
         raise ModelLoadError(f"{modules}: a decoder pools its last token or its mean, not CLS")
-    return PoolingSpec("embed", pooling, normalize, _window(folder), matryoshka, not encoder)
+    return PoolingSpec(
+        "embed", pooling, normalize, _window(folder), matryoshka, not encoder, dense=tuple(dense)
+    )
+
+
+def _module_kind(name: str) -> str:
+    """A module's class name from its type in modules.json (`sentence_transformers.models.
+    Pooling`, or 6's `sentence_transformers.base.modules.dense.Dense`); another package's
+    module by its full name."""
+    return name.rsplit(".", 1)[-1] if name.startswith("sentence_transformers.") else name
+
+
+def _dense(path: Path) -> DenseSpec:
+    config = _json(path / "config.json")
+    name = str(config.get("activation_function", "torch.nn.modules.activation.Tanh"))
+    activation = name.rsplit(".", 1)[-1]
+    if not name.startswith("torch.nn.") or activation not in DENSE_ACTIVATIONS:
+        raise ModelLoadError(
+            f"{path}: the Dense activation '{name}' is not served "
+            f"(torch.nn's {', '.join(DENSE_ACTIVATIONS)})"
+        )
+    if config.get("use_residual"):
+        raise ModelLoadError(f"{path}: the Dense module's use_residual is not served")
+    return DenseSpec(path, activation)
 
 
 def _decoder_reranker(config: dict, folder: Path) -> PoolingSpec:
@@ -128,6 +172,15 @@ def _decoder_reranker(config: dict, folder: Path) -> PoolingSpec:
 
 
 def _pooling_mode(config: dict, path: Path) -> Literal["cls", "mean", "last"]:
+    mode = config.get("pooling_mode")  # sentence-transformers 6: a name, or a list of names
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    if mode is not None:
+        if mode not in POOLING_MODES:
+            raise ModelLoadError(
+                f"{path}: pooling {mode} is not served (one of {', '.join(POOLING_MODES)})"
+            )
+        return POOLING_MODES[mode]  # type: ignore[return-value]
     modes = [name for name, on in config.items() if name.startswith("pooling_mode") and on]
     if len(modes) != 1 or modes[0] not in POOLING_KEYS:
         raise ModelLoadError(
@@ -138,8 +191,14 @@ def _pooling_mode(config: dict, path: Path) -> Literal["cls", "mean", "last"]:
 
 
 def _window(folder: Path) -> int | None:
+    """`max_seq_length`, else a tokenizer's `model_max_length` below transformers' "no
+    limit" (`sentence_bert_config.json` without it: sentence-transformers 6's layout)."""
     settings = folder / "sentence_bert_config.json"
-    if settings.is_file():
-        length = _json(settings).get("max_seq_length")
-        return int(length) if length else None
-    return None
+    if not settings.is_file():
+        return None
+    length = _json(settings).get("max_seq_length")
+    if length:
+        return int(length)
+    tokenizer = folder / "tokenizer_config.json"
+    limit = _json(tokenizer).get("model_max_length") if tokenizer.is_file() else None
+    return int(limit) if isinstance(limit, int) and limit < 1_000_000 else None

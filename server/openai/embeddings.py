@@ -93,14 +93,14 @@ def _usage(texts: list[Text]) -> PoolingUsage:
 
 def _check_dimensions(pooler: AsyncPooler, dimensions: int | None) -> None:
     """A 400 for `dimensions` the model's embeddings cannot be cut to (Matryoshka)."""
-    if dimensions is None or dimensions == pooler.hidden_size:
+    if dimensions is None or dimensions == pooler.embedding_size:
         return
     if dimensions not in pooler.spec.matryoshka:
         allowed = (
             ", ".join(map(str, pooler.spec.matryoshka)) or "none: it is not a Matryoshka model"
         )
         raise invalid_request(
-            f"dimensions {dimensions}: the model's embeddings are {pooler.hidden_size} wide "
+            f"dimensions {dimensions}: the model's embeddings are {pooler.embedding_size} wide "
             f"and can be cut to {allowed}",
             "dimensions",
         )

@@ -10,7 +10,7 @@ import pytest
 from engine.config import ConfigError, EngineConfig
 from engine.errors import ModelLoadError
 from engine.pooling.async_pooler import pooling_model
-from engine.pooling.spec import PoolingSpec, pooling_spec
+from engine.pooling.spec import DenseSpec, PoolingSpec, pooling_spec
 
 
 def _folder(tmp_path: Path, config: dict, modules: list[dict] | None = None, **files: dict) -> Path:
@@ -61,13 +61,52 @@ def test_decoders_and_masked_lm_heads_are_not_pooling_models(tmp_path: Path, con
     assert pooling_spec(_folder(tmp_path, config)) is None
 
 
+def test_a_sentence_transformers_6_folder_with_dense_modules_pools_as_its_modules_say(
+    tmp_path: Path,
+):
+    """sentence-transformers 6's layout (module types by their new paths, `pooling_mode`
+    by name, the window in the tokenizer's config) with EmbeddingGemma's two Dense
+    modules."""
+    gemma3 = {"model_type": "gemma3_text", "architectures": ["Gemma3TextModel"]}
+    base = "sentence_transformers.base.modules."
+    modules = [
+        {"path": "", "type": base + "transformer.Transformer"},
+        {"path": "1_Pooling", "type": "sentence_transformers.sentence_transformer.modules."
+         "pooling.Pooling"},
+        {"path": "2_Dense", "type": base + "dense.Dense"},
+        {"path": "3_Dense", "type": "sentence_transformers.models.Dense"},
+        {"path": "4_Normalize", "type": base + "normalize.Normalize"},
+    ]  # fmt: skip
+    identity = {"activation_function": "torch.nn.modules.linear.Identity"}
+    folder = _folder(
+        tmp_path, gemma3, modules,
+        **{"1_Pooling__config.json": {"pooling_mode": "mean"}, "2_Dense__config.json": identity,
+           "3_Dense__config.json": {}, "sentence_bert_config.json": {},
+           "tokenizer_config.json": {"model_max_length": 2048}},
+    )  # fmt: skip
+    dense = (DenseSpec(folder / "2_Dense", "Identity"), DenseSpec(folder / "3_Dense", "Tanh"))
+    assert pooling_spec(folder) == PoolingSpec(
+        "embed", "mean", True, 2048, (), causal=True, dense=dense
+    )
+
+
 @pytest.mark.parametrize(
     ("modules", "files", "named"),
     [
-        (_modules("Transformer", "Pooling", "Dense"),
-         {"1_Pooling__config.json": {"pooling_mode_cls_token": True}}, "'Dense'"),
+        (_modules("Transformer", "Pooling", "LayerNorm"),
+         {"1_Pooling__config.json": {"pooling_mode_cls_token": True}}, "'LayerNorm'"),
         (_modules("Transformer", "Pooling"),
          {"1_Pooling__config.json": {"pooling_mode_max_tokens": True}}, "pooling_mode_max_tokens"),
+        (_modules("Transformer", "Pooling"),
+         {"1_Pooling__config.json": {"pooling_mode": "weightedmean"}}, "weightedmean"),
+        (_modules("Transformer", "Pooling", "Dense"),
+         {"1_Pooling__config.json": {"pooling_mode": "cls"},
+          "2_Dense__config.json": {"activation_function": "mine.Swish"}}, "'mine.Swish'"),
+        (_modules("Transformer", "Pooling", "Dense"),
+         {"1_Pooling__config.json": {"pooling_mode": "cls"},
+          "2_Dense__config.json": {"use_residual": True}}, "use_residual"),
+        (_modules("Transformer", "Pooling", "Normalize", "Dense"),
+         {"1_Pooling__config.json": {"pooling_mode": "cls"}}, "'Dense' follows Normalize"),
     ],
 )  # fmt: skip
 def test_what_a_folder_asks_for_and_is_not_served_is_refused_by_name(

@@ -16,11 +16,17 @@ import torch
 from langchain_openai import OpenAIEmbeddings
 from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules.dense import Dense
+from sentence_transformers.base.modules.normalize import Normalize
+from sentence_transformers.base.modules.transformer import Transformer
+from sentence_transformers.sentence_transformer.modules.pooling import Pooling
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     BertConfig,
     BertForSequenceClassification,
+    Gemma3TextConfig,
+    Gemma3TextModel,
     ModernBertConfig,
     ModernBertForSequenceClassification,
     ModernBertModel,
@@ -125,6 +131,34 @@ def modernbert_cross_encoder(modernbert: Path, tmp_path_factory: pytest.TempPath
     return folder
 
 
+@pytest.fixture(scope="module")
+def embeddinggemma(minilm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-weight model of EmbeddingGemma's layout, saved by sentence-transformers 6
+    itself: a gemma3 decoder attending both ways (local layers of 8 tokens), mean
+    pooling, two Dense projections, Normalize; MiniLM's tokenizer."""
+    model = tmp_path_factory.mktemp("gemma3-text")
+    torch.manual_seed(0)
+    tokenizer = AutoTokenizer.from_pretrained(minilm)
+    config = Gemma3TextConfig(
+        vocab_size=30522, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, sliding_window=8,
+        use_bidirectional_attention=True, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=512, pad_token_id=tokenizer.pad_token_id,
+        architectures=["Gemma3TextModel"],
+    )  # fmt: skip
+    Gemma3TextModel(config).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    identity = torch.nn.Identity()
+    modules = [
+        Transformer(str(model)), Pooling(64, "mean"),
+        Dense(64, 256, bias=False, activation_function=identity),
+        Dense(256, 64, bias=False, activation_function=identity), Normalize(),
+    ]  # fmt: skip
+    folder = tmp_path_factory.mktemp("embeddinggemma")
+    SentenceTransformer(modules=modules, device="cpu").save(str(folder))
+    return folder
+
+
 def _sentence_transformers_layout(folder: Path, pooling: str) -> None:
     """Make the transformers folder a sentence-transformers one: the model, a Pooling
     module of `pooling`, Normalize."""
@@ -148,9 +182,10 @@ def server(
     decoder_embedder: Path,
     modernbert: Path,
     modernbert_cross_encoder: Path,
+    embeddinggemma: Path,
     tiny_model_paths: dict[str, Path],
 ) -> Iterator[str]:
-    """One server of seven models: three embedders, two cross-encoders, a reranker and a
+    """One server of eight models: four embedders, two cross-encoders, a reranker and a
     chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
@@ -160,6 +195,7 @@ def server(
             ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
             ServedModelConfig(name="modernbert", model=str(modernbert)),
             ServedModelConfig(name="modernbert-cross", model=str(modernbert_cross_encoder)),
+            ServedModelConfig(name="embeddinggemma", model=str(embeddinggemma)),
             ServedModelConfig(
                 name="qwen3-reranker", model=str(tiny_model_paths["qwen3"]), hf_overrides=RERANKER
             ),
@@ -217,13 +253,18 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
 
 @pytest.mark.parametrize(
     ("name", "folder"),
-    [("qwen3-embedding", "decoder_embedder"), ("modernbert", "modernbert")],
+    [
+        ("qwen3-embedding", "decoder_embedder"),
+        ("modernbert", "modernbert"),
+        ("embeddinggemma", "embeddinggemma"),
+    ],
 )
-def test_a_decoder_and_modernbert_embed_as_sentence_transformers(
+def test_decoders_and_modernbert_embed_as_sentence_transformers(
     server: str, name: str, folder: str, request: pytest.FixtureRequest
 ):
-    """A decoder (last-token pooling) and ModernBERT (mean pooling, sliding windows), their
-    texts packed: the reference's embeddings, and alone = batched."""
+    """A decoder (last-token pooling), ModernBERT (mean pooling, sliding windows) and
+    EmbeddingGemma's layout (attention both ways, Dense modules), their texts packed: the
+    reference's embeddings, and alone = batched."""
     texts = _texts(40, seed=2)
     got = _vectors(_embed(server, texts, model=name, encoding_format="base64"))
     reference = SentenceTransformer(str(request.getfixturevalue(folder)), device="cpu")
