@@ -53,8 +53,9 @@ class DenseSpec:
 @dataclass(frozen=True)
 class PoolingSpec:
     """How the model's token states become one vector (`embed`) or scores (`classify`);
-    `max_length`: its window in tokens (None: the config's positions); `matryoshka`: the
-    sizes `dimensions` may truncate to (empty: none)."""
+    `max_length`: its window in tokens (None: the config's positions); `is_matryoshka`:
+    whether `dimensions` may cut its embeddings, to the sizes in `matryoshka` (empty: any),
+    as vLLM reads `is_matryoshka` and `matryoshka_dimensions` from the config."""
 
     task: Literal["embed", "classify"]
     pooling: Literal["cls", "mean", "last"] = "cls"
@@ -66,6 +67,7 @@ class PoolingSpec:
     # LM head's softmax over (first, second) at the last token, given to the second.
     classifier_tokens: tuple[str, str] | None = None
     dense: tuple[DenseSpec, ...] = ()  # applied in order to the pooled vector
+    is_matryoshka: bool = False
 
 
 def _json(path: Path) -> dict:
@@ -101,10 +103,13 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
     if not (classify or any(name.endswith("Model") for name in architectures) or modules.is_file()):
         return None  # a masked-LM head: not a pooling model (refused by the generation loader)
     matryoshka = tuple(config.get("matryoshka_dimensions") or ())
+    is_matryoshka = bool(matryoshka or config.get("is_matryoshka"))
     if classify:
         return PoolingSpec("classify", max_length=_window(folder), matryoshka=())
     if not modules.is_file():
-        return PoolingSpec("embed", "cls", True, _window(folder), matryoshka)
+        return PoolingSpec(
+            "embed", "cls", True, _window(folder), matryoshka, is_matryoshka=is_matryoshka
+        )
     pooling: Literal["cls", "mean", "last"] = "cls"
     normalize = False
     dense: list[DenseSpec] = []
@@ -129,8 +134,9 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
     if not encoder and pooling == "cls":
         raise ModelLoadError(f"{modules}: a decoder pools its last token or its mean, not CLS")
     return PoolingSpec(
-        "embed", pooling, normalize, _window(folder), matryoshka, not encoder, dense=tuple(dense)
-    )
+        "embed", pooling, normalize, _window(folder), matryoshka, not encoder,
+        dense=tuple(dense), is_matryoshka=is_matryoshka,
+    )  # fmt: skip
 
 
 def _module_kind(name: str) -> str:

@@ -93,17 +93,24 @@ def _usage(texts: list[Text]) -> PoolingUsage:
 
 def _check_dimensions(pooler: AsyncPooler, dimensions: int | None) -> None:
     """A 400 for `dimensions` the model's embeddings cannot be cut to (Matryoshka)."""
-    if dimensions is None or dimensions == pooler.embedding_size:
+    width, spec = pooler.embedding_size, pooler.spec
+    if dimensions is None or dimensions == width:
         return
-    if dimensions not in pooler.spec.matryoshka:
-        allowed = (
-            ", ".join(map(str, pooler.spec.matryoshka)) or "none: it is not a Matryoshka model"
-        )
-        raise invalid_request(
-            f"dimensions {dimensions}: the model's embeddings are {pooler.embedding_size} wide "
-            f"and can be cut to {allowed}",
-            "dimensions",
-        )
+    if not spec.is_matryoshka:
+        allowed = "none: it is not a Matryoshka model"
+    elif spec.matryoshka:
+        allowed = ", ".join(map(str, spec.matryoshka))
+        if dimensions in spec.matryoshka:
+            return
+    else:
+        allowed = "any size below it"
+        if dimensions < width:
+            return
+    raise invalid_request(
+        f"dimensions {dimensions}: the model's embeddings are {width} wide and can be cut "
+        f"to {allowed}",
+        "dimensions",
+    )
 
 
 def _cut(pooler: AsyncPooler, vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:

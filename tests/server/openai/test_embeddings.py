@@ -401,6 +401,12 @@ def test_dimensions_cut_a_matryoshka_model_and_are_refused_by_name_elsewhere(
         cut = _vectors(_embed(url, "a river", model=None, dimensions=128))[0]
         assert _embed(url, "a river", model=None, dimensions=100).status_code == 400
     assert np.allclose(cut, full[:128] / np.linalg.norm(full[:128]), atol=1e-6)
+    # vLLM's `is_matryoshka` (as `--hf-overrides` gives it): any size below the model's.
+    with live_server(ServeConfig(model=str(minilm), hf_overrides={"is_matryoshka": True})) as url:
+        cut = _vectors(_embed(url, "a river", model=None, dimensions=100))[0]
+        wider = _embed(url, "a river", model=None, dimensions=385)
+    assert np.allclose(cut, full[:100] / np.linalg.norm(full[:100]), atol=1e-6)
+    assert wider.status_code == 400 and "any size below it" in wider.json()["error"]["message"]
 
 
 @pytest.mark.parametrize(
