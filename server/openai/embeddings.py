@@ -3,7 +3,8 @@
 
 An embedding model embeds; /score and /rerank rank by the cosine of embeddings. A
 cross-encoder (a sequence classifier of one label) scores each (query, document) pair with
-its head, the sigmoid of its logit, as sentence-transformers' CrossEncoder does. A model
+its head, the sigmoid of its logit, as sentence-transformers' CrossEncoder does (the logit
+itself with vLLM's `use_activation: false`). A model
 that generates text serves none of these (a 400 naming the model), as a pooling model
 serves no generation endpoint (`Handling.begin`).
 """
@@ -163,8 +164,10 @@ async def _scores(
     pairs: list[tuple[str, str]],
     truncate: int | None,
     param: str,
+    activation: bool,
 ) -> tuple[str, list[float], PoolingUsage]:
-    """Each pair's score under the model: a cross-encoder's, else its embeddings' cosine."""
+    """Each pair's score under the model: a cross-encoder's (its logit's sigmoid, or the
+    logit where not `activation`), else its embeddings' cosine."""
     name, pooler, deadline = await _pooler(request, model)
     if pooler.spec.task == "classify":
         if pooler.num_labels != 1:
@@ -174,7 +177,8 @@ async def _scores(
             )
         texts = await _encode(pooler, pairs, truncate, param)
         logits = await _run(request, pooler, deadline, texts)
-        return name, [torch.sigmoid(logit[0]).item() for logit in logits], _usage(texts)
+        scores = [(torch.sigmoid(x[0]) if activation else x[0]).item() for x in logits]
+        return name, scores, _usage(texts)
     unique = list(dict.fromkeys(text for pair in pairs for text in pair))
     texts = await _encode(pooler, unique, truncate, param)
     vectors = dict(zip(unique, await _run(request, pooler, deadline, texts), strict=True))
@@ -190,8 +194,9 @@ _RERANKED = documented(RerankResponse, *_ERRORS)
 @router.post("/v1/score", response_model=None, responses=_SCORED)
 async def score(body: ScoreRequest, request: Request) -> Response:
     name, scores, usage = await _scores(
-        request, body.model, body.pairs(), body.truncate_prompt_tokens, "text_2"
-    )
+        request, body.model, body.pairs(), body.truncate_prompt_tokens, "text_2",
+        body.use_activation is not False,
+    )  # fmt: skip
     return json_response(
         ScoreResponse(
             id=f"score-{uuid.uuid4().hex}",
@@ -207,10 +212,11 @@ async def score(body: ScoreRequest, request: Request) -> Response:
 @router.post("/v1/rerank", response_model=None, responses=_RERANKED)
 @router.post("/v2/rerank", response_model=None, responses=_RERANKED)
 async def rerank(body: RerankRequest, request: Request) -> Response:
-    pairs = [(body.query, document) for document in body.documents]
+    documents = body.texts()
     name, scores, usage = await _scores(
-        request, body.model, pairs, body.truncate_prompt_tokens, "documents"
-    )
+        request, body.model, [(body.query, d) for d in documents], body.truncate_prompt_tokens,
+        "documents", body.use_activation is not False,
+    )  # fmt: skip
     order = sorted(range(len(scores)), key=lambda i: -scores[i])
     if body.top_n:
         order = order[: body.top_n]
@@ -218,7 +224,7 @@ async def rerank(body: RerankRequest, request: Request) -> Response:
         RerankResult(
             index=i,
             relevance_score=scores[i],
-            document=RerankDocument(text=body.documents[i]) if body.return_documents else None,
+            document=RerankDocument(text=documents[i]) if body.return_documents else None,
         )
         for i in order
     ]

@@ -8,7 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from server.protocol import RequestBody, ResponseModel, field_error
+from server.protocol import RequestBody, RequestModel, ResponseModel, field_error
 
 
 def _truncation(value: int | None) -> int | None:
@@ -54,6 +54,9 @@ class ScoreRequest(RequestBody):
     text_1: str | list[str]
     text_2: str | list[str]
     truncate_prompt_tokens: Truncate = None
+    # vLLM's: a cross-encoder's score is the sigmoid of its logit unless False (the logit);
+    # a cosine has none.
+    use_activation: bool | None = None
 
     @model_validator(mode="after")
     def _pairs(self) -> ScoreRequest:
@@ -75,15 +78,25 @@ class ScoreRequest(RequestBody):
         )
 
 
+class DocumentText(RequestModel):
+    """A document given as an object, as Jina's and Cohere's clients may send it."""
+
+    text: str
+
+
 class RerankRequest(RequestBody):
     """/rerank and /v1/rerank: `documents` by relevance to `query`, the best first."""
 
     model: str | None = None
     query: str
-    documents: list[str] = Field(min_length=1)
+    documents: list[str | DocumentText] = Field(min_length=1)
     top_n: int | None = Field(default=None, ge=0)  # None or 0: every document
     return_documents: bool = True
     truncate_prompt_tokens: Truncate = None
+    use_activation: bool | None = None  # as ScoreRequest's
+
+    def texts(self) -> list[str]:
+        return [d if isinstance(d, str) else d.text for d in self.documents]
 
 
 class PoolingUsage(ResponseModel):

@@ -317,10 +317,13 @@ def test_rerank_orders_documents_as_the_reference(
 def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
     server: str, name: str, folder: str, architecture: type, request: pytest.FixtureRequest
 ):
+    """Documents as strings or as objects (Jina's and Cohere's clients); the logit itself
+    with vLLM's `use_activation: false`."""
     cross_encoder = request.getfixturevalue(folder)
     query, documents = "a river bank", ["money in the bank", "the river flows", "a song at night"]
+    objects = [{"text": d} for d in documents]
     response = httpx.post(
-        f"{server}/rerank", json={"model": name, "query": query, "documents": documents}
+        f"{server}/rerank", json={"model": name, "query": query, "documents": objects}
     )
     assert response.status_code == 200, response.text
     got = {r["index"]: r["relevance_score"] for r in response.json()["results"]}
@@ -329,10 +332,20 @@ def test_cross_encoder_scores_are_the_sigmoid_of_transformers_logits(
         [query] * 3, documents, padding=True, return_tensors="pt"
     )
     with torch.no_grad():
-        want = torch.sigmoid(model(**tokens).logits[:, 0]).tolist()
+        logits = model(**tokens).logits[:, 0]
+    want = torch.sigmoid(logits).tolist()
     assert np.allclose([got[i] for i in range(3)], want, atol=1e-5)
     order = [r["index"] for r in response.json()["results"]]
     assert order == sorted(range(3), key=lambda i: -want[i])
+    assert [r["document"]["text"] for r in response.json()["results"]] == [
+        documents[i] for i in order
+    ]
+    raw = httpx.post(
+        f"{server}/score",
+        json={"model": name, "text_1": query, "text_2": documents, "use_activation": False},
+    )
+    assert raw.status_code == 200, raw.text
+    assert np.allclose([d["score"] for d in raw.json()["data"]], logits.tolist(), atol=1e-5)
     refused = _embed(server, "a text", model=name)
     assert refused.status_code == 400 and "cross-encoder" in refused.json()["error"]["message"]
 
