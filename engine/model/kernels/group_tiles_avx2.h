@@ -17,9 +17,9 @@
 // cores can stream: each group asks the L2 for the codes `kPrefetchBytes` ahead (`python -m
 // bench.linear_kernels` measures it). With more rows (prefill, batched decode) the kernel is
 // compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`), which pay
-// from `kDecodedMinRows` rows on (below it decoding a tile costs more than it saves). Runs
-// of 6 rows over 4-bit codes (`decoded_run`) beat runs of 4; 6-bit codes, which widen after
-// every pair of code vectors, would spill registers at 6 and keep runs of 4.
+// from `kDecodedMinRows` rows on (below it decoding a tile costs more than it saves), in
+// runs of `kDecodedRun` rows: runs of 8 rows beat runs of 6 (4-bit codes) and of 4 (5- and
+// 6-bit codes) by 15-35% a core, though their sums no longer all fit AVX2's 16 registers.
 
 #pragma once
 
@@ -34,9 +34,11 @@ namespace pagedserve_groups {
 
 constexpr int64_t kRowRun = 2;  // rows sharing one pass over a tile's codes
 // Calls of at least kDecodedMinRows rows run codes of 4 to 6 bits on decoded tiles, in runs
-// of `decoded_run` rows (see `decoded_tile`), from x's rows interleaved kInterleave at a time.
+// of up to kDecodedRun rows (see `decoded_tile`), from x's rows interleaved kInterleave at a
+// time (a run's rows in one block).
 constexpr int64_t kDecodedMinRows = 8;
-constexpr int64_t kInterleave = 12;
+constexpr int64_t kDecodedRun = 8;
+constexpr int64_t kInterleave = kDecodedRun;
 // How far ahead of the group being computed its codes are prefetched into the L2: between
 // the distances that run fastest (16 to 24 KB).
 constexpr int64_t kPrefetchBytes = 20 * 1024;
@@ -416,7 +418,7 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
 // decoding a group's codes for every run of 2 rows, with 16 outputs' sums live at once, left
 // the kernel spilling registers. So a tile's codes are decoded once per chunk of
 // `kChunkGroups` groups into 8-bit code vectors (16 KB, held in the L1), and runs of up to
-// `decoded_run` rows take them half by half (8 outputs): per pair of code vectors, two
+// `kDecodedRun` rows take them half by half (8 outputs): per pair of code vectors, two
 // loads, and per row two broadcasts (from `QuantizedRows::runs`, the rows interleaved, so
 // one pointer reaches a run's rows), two VPMADDUBSW and two adds.
 // The integer sums are the same exact integers, widened on the same schedule, and each
@@ -552,13 +554,6 @@ void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, in
   }
 }
 
-// Rows per run over a decoded tile: 6 for 4-bit codes (each row holds two int16 and two
-// int32 sums live, 12 of AVX2's 16 registers), 4 for codes that widen more often and need
-// their factors live too.
-constexpr int64_t decoded_run(int64_t bits) { return bits == 4 ? 6 : 4; }
-static_assert(kInterleave % decoded_run(4) == 0 && kInterleave % decoded_run(5) == 0,
-              "runs stay within one block of interleaved rows");
-
 // Rows r_begin..r_end-1 (at least kDecodedMinRows) against tile t, chunk by chunk of groups
 // (r_begin a multiple of kInterleave).
 template <int64_t Bits, int64_t Scheme>
@@ -579,8 +574,11 @@ void decoded_tile(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r
     }
     for (int64_t r0 = r_begin; r0 < r_end;) {
       float* a = acc.data() + (r0 - r_begin) * kTile;
-      const int64_t rows = std::min(decoded_run(Bits), r_end - r0);
+      const int64_t rows = std::min(kDecodedRun, r_end - r0);
+      static_assert(kDecodedRun == 8, "the cases below instantiate runs of 1 to 8 rows");
       switch (rows) {
+        case 8: decoded_rows<8, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
+        case 7: decoded_rows<7, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 6: decoded_rows<6, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 5: decoded_rows<5, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;
         case 4: decoded_rows<4, Bits, Scheme>(w, tile, q, r0, g0, g1, decoded, a); break;

@@ -270,7 +270,7 @@ def test_the_scalar_code_gives_the_vector_codes_bits(tmp_path: Path):
         packed = to_packed(ggml_type, random_blocks(ggml_type, 50, 1280, rng))
         bias = torch.randn(50)
         for dtype in DTYPES:
-            for rows in (1, 2, 3, 5, 7, 8, 9, 10, 11, 13, 17, 25):
+            for rows in (1, 2, 3, 5, 7, 8, 9, 10, 11, 13, 15, 16, 17, 25):
                 x = torch.randn(rows, 1280).to(dtype)
                 args = (packed.codes, packed.scales, packed.offsets, packed.sub, packed.bits)
                 got = twin.group_linear(x, *args, packed.scheme, 50, bias)
