@@ -74,8 +74,8 @@ class PoolingModel:
         self.base = model.base_model
         kind = self.config.model_type
         self.packed_encoder = not spec.causal and kind in PACKED_ENCODERS
-        # A decoder configured to attend both ways where its layers do not say so is not
-        # packed (its own forward's masks decide).
+        # A config with `is_causal: false` (a decoder made to attend both ways by its config
+        # alone) is not packed: its own forward's masks decide how it attends.
         causal = getattr(self.config, "is_causal", True)
         packed = PACKED_DECODERS if spec.causal else PACKED_FORWARD_ENCODERS
         self.packed_forward = kind in packed and causal
@@ -93,9 +93,14 @@ class PoolingModel:
         self.max_length = min(spec.max_length or window, window)
         self.dense = [load_dense(dense) for dense in spec.dense]
         # The width of an embedding: the last Dense module's, else the model's.
-        self.embedding_size = (
-            self.dense[-1][0].out_features if self.dense else self.config.hidden_size
-        )
+        self.embedding_size = self.config.hidden_size
+        for dense, dense_spec in zip(self.dense, spec.dense, strict=True):
+            if dense[0].in_features != self.embedding_size:
+                raise ModelLoadError(
+                    f"{dense_spec.path}: the Dense module takes {dense[0].in_features} values, "
+                    f"the vector before it has {self.embedding_size}"
+                )
+            self.embedding_size = dense[0].out_features
 
     @torch.inference_mode()
     def hidden_states(self, texts: list[Text]) -> list[torch.Tensor]:

@@ -5,11 +5,13 @@ ModernBERT against their own forward, text by text."""
 from __future__ import annotations
 
 import asyncio
+import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import save_file
 from transformers import (
     AutoModel,
     BertConfig,
@@ -29,7 +31,7 @@ from transformers import (
 )
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, ModelLoadError
 from engine.pooling.async_pooler import AsyncPooler
 from engine.pooling.model import PACKED_DECODERS, PACKED_FORWARD_ENCODERS, PoolingModel, Text
 from engine.pooling.spec import PoolingSpec, pooling_spec
@@ -154,6 +156,21 @@ def test_packed_modernbert_embeds_and_classifies_as_its_own_forward(tmp_path: Pa
         assert torch.allclose(logit, want, atol=1e-5)
         assert torch.equal(embedder.embed([text])[0], vector)
         assert torch.equal(classifier.classify([text])[0], logit)
+
+
+def test_a_dense_module_that_does_not_fit_the_pooled_vector_is_refused_by_name(tmp_path: Path):
+    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
+    st = "sentence_transformers.models."
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Dense", "2_Dense")]
+    (tmp_path / "modules.json").write_text(
+        json.dumps([{"type": st + kind, "path": path} for kind, path in modules])
+    )
+    for path, config in (("1_Pooling", {"pooling_mode": "cls"}), ("2_Dense", {})):
+        (tmp_path / path).mkdir()
+        (tmp_path / path / "config.json").write_text(json.dumps(config))
+    save_file({"linear.weight": torch.zeros(16, 32)}, tmp_path / "2_Dense" / "model.safetensors")
+    with pytest.raises(ModelLoadError, match="takes 32 values, the vector before it has 64"):
+        PoolingModel(tmp_path, pooling_spec(tmp_path), torch.float32)
 
 
 def _small_bert_pooler(folder: Path) -> AsyncPooler:
