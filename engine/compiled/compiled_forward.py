@@ -65,6 +65,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch._inductor.config
 import torch.fx.experimental._config
 import transformers
 from torch._inductor.runtime.cache_dir_utils import default_cache_dir
@@ -221,7 +222,12 @@ class CompiledForward:
         return compiled
 
     def _load(self, folder: Path) -> Any:
-        with open(folder / GRAPH_FILE, "rb") as file:
+        # The saved graph was built for this CPU's vector ISA (its flags are in the key):
+        # Inductor need not compile and load a test program again to pick the ISA.
+        with (
+            torch._inductor.config.patch({"cpp.vec_isa_ok": True}),
+            open(folder / GRAPH_FILE, "rb") as file,
+        ):
             return torch.compiler.load_compiled_function(file)
 
     def _padding_inputs(self) -> tuple[Any, ...]:

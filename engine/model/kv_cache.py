@@ -7,6 +7,8 @@ the second axis is K, 1 is V. Slot `s` of a layer is block `s // block_size`, of
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +38,13 @@ class KVLayout:
 def allocate_kv_cache(
     layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device
 ) -> torch.Tensor:
-    """Zeroed so that padding slots read by batched decode attention are finite."""
+    """Zeroed so that padding slots read by batched decode attention are finite. On the CPU
+    the zeros are an anonymous memory map's: the kernel hands out (zeroed) pages as they are
+    first touched, so start-up does not write the whole cache and resident memory grows
+    with the KV actually used."""
     shape = (layout.num_layers, 2, num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
-    return torch.zeros(shape, dtype=dtype, device=device)
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    # Private: `sleep.release_tensor` gives a private mapping's pages back to the system.
+    pages = mmap.mmap(-1, math.prod(shape) * dtype.itemsize, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(pages, dtype=dtype).view(shape)

@@ -1,6 +1,7 @@
 """engine/sleep.py on real memory: released KV pages read as zeros and leave the resident
-set; a file mapping holding a model's tensors is released only while no page of it was
-written, and reads back the file's bytes."""
+set, and the KV cache takes pages only as it is written; a file mapping holding a model's
+tensors is released only while no page of it was written, and reads back the file's
+bytes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 
 from engine import sleep
+from engine.model.kv_cache import KVLayout, allocate_kv_cache
 
 pytestmark = pytest.mark.skipif(not sleep.supported(), reason="Linux only")
 
@@ -25,6 +27,21 @@ def test_released_kv_pages_read_as_zeros_and_leave_the_resident_set():
     assert torch.count_nonzero(inside) == 0
     kv.fill_(2.0)  # the pages come back when written
     assert torch.all(kv == 2.0)
+
+
+def test_the_kv_cache_is_resident_as_it_is_written_and_released_by_sleep():
+    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)
+    before = sleep.resident_bytes()
+    kv = allocate_kv_cache(layout, 1024, 16, torch.float32, torch.device("cpu"))  # 128 MiB
+    assert kv.nbytes == 128 * 2**20 and kv.data_ptr() % sleep.PAGE == 0
+    assert sleep.resident_bytes() - before < 16 * 2**20  # start-up writes none of it
+    assert torch.count_nonzero(kv) == 0
+    kv.fill_(1.0)
+    written = sleep.resident_bytes()
+    assert written - before > 120 * 2**20
+    sleep.release_tensor(kv)
+    assert written - sleep.resident_bytes() > 120 * 2**20
+    assert torch.count_nonzero(kv) == 0
 
 
 def model_over(path: Path, mode: str) -> tuple[nn.Module, np.memmap]:
