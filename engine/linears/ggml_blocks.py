@@ -13,20 +13,23 @@ tests/engine/model/test_gguf.py checks each type). The layouts are GGML's
 | Q5_0 | 22 per 32: d, 32 fifth bits, nibbles | d (q - 16) | affine 5-bit, offset -16d |
 | Q5_1 | 24 per 32: d, m, fifth bits, nibbles | d q + m | affine 5-bit |
 | Q8_0 | 34 per 32: d, 32 int8 | d q | affine 8-bit, code q + 128, offset -128d |
+| IQ4_NL | 18 per 32: d, nibbles into 16 values v | d v[q] | affine 8-bit, v[q] + 128, -128d |
 | Q4_K | 144 per 256: d, dmin, 6-bit scales, mins per 32, nibbles | d sc q - dmin m | super-min, 4 |
 | Q5_K | 176 per 256: as Q4_K plus fifth bits | d sc q - dmin m | super-min, 5 |
 | Q6_K | 210 per 256: nibbles, 2-bit highs, int8 scales per 16, d | d sc (q-32) | super-signed, 6 |
 
-The offsets -8d, -16d and -128d are exact in fp16 (a power of two times d). Nibbles: in a
-32-weight block, byte i holds weight i (low) and weight i + 16 (high); Q4_K and Q5_K's 128
-bytes hold sub-blocks 2p and 2p + 1 in the low and high nibbles of bytes 32p..32p + 31.
+The offsets -8d, -16d and -128d are exact in fp16 (a power of two times d). IQ4_NL's values
+(`IQ4_NL.kvalues`, -127 to 113) take 8-bit codes: exact, at 8 bits a weight rather than
+4.5. Nibbles: in a 32-weight block, byte i holds weight i (low) and weight i + 16 (high);
+Q4_K and Q5_K's 128 bytes hold sub-blocks 2p and 2p + 1 in the low and high nibbles of
+bytes 32p..32p + 31.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
-from gguf.quants import Q4_K
+from gguf.quants import IQ4_NL, Q4_K
 
 from engine.model.kernels import group_linear
 from engine.model.kernels.group_linear import AFFINE, SUPER_MIN, SUPER_SIGNED, PackedWeight
@@ -39,10 +42,14 @@ BLOCKS = {
     "Q5_0": (22, 32, 5, AFFINE),
     "Q5_1": (24, 32, 5, AFFINE),
     "Q8_0": (34, 32, 8, AFFINE),
+    "IQ4_NL": (18, 32, 8, AFFINE),
     "Q4_K": (144, 256, 4, SUPER_MIN),
     "Q5_K": (176, 256, 5, SUPER_MIN),
     "Q6_K": (210, 256, 6, SUPER_SIGNED),
 }
+
+
+_IQ4_NL_CODES = (np.array(IQ4_NL.kvalues) + 128).astype(np.uint8)
 
 
 def _half(data: np.ndarray, at: int) -> np.ndarray:
@@ -66,6 +73,8 @@ def _affine(ggml_type: str, data: np.ndarray):
         d = _half(data, 0)
         return data[..., 2:] ^ 0x80, d, _exact(d, -128), 8
     d = _half(data, 0)
+    if ggml_type == "IQ4_NL":
+        return _IQ4_NL_CODES[_nibbles(data[..., 2:])], d, _exact(d, -128), 8
     if ggml_type == "Q4_0":
         return _nibbles(data[..., 2:]), d, _exact(d, -8), 4
     if ggml_type == "Q4_1":

@@ -20,14 +20,15 @@ from gguf.constants import GGML_QUANT_SIZES
 from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 # The types pagedserve's kernel computes as stored.
-KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+KERNEL_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K")
 # Each type's d (its block scale): the byte offset of the fp16 and its size. Types with a
 # minimum get it at `MINIMUM` (offset, multiple of d) so that each block's weights centre
 # on zero, as a trained model's do: offsets of the same sign in every block made a random
 # model answer one token whatever it was given.
 SCALE = {
     "Q4_0": (0, 0.01), "Q4_1": (0, 0.01), "Q5_0": (0, 0.005), "Q5_1": (0, 0.005),
-    "Q8_0": (0, 0.0006), "Q4_K": (0, 0.0003), "Q5_K": (0, 0.00015), "Q6_K": (208, 0.00002),
+    "Q8_0": (0, 0.0006), "IQ4_NL": (0, 0.0006), "Q4_K": (0, 0.0003), "Q5_K": (0, 0.00015),
+    "Q6_K": (208, 0.00002),
     "Q3_K": (108, 0.0005), "Q2_K": (80, 0.002),
 }  # fmt: skip
 MINIMUM = {

@@ -5,7 +5,7 @@ A weight `W [N, K]` is stored as unsigned codes of `bits` (4, 5, 6 or 8) per gro
 `group_formats.h`):
 
 - `AFFINE`: an fp16 scale and offset per group, `W = scale * code + offset`: llama.cpp's
-  Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 exactly, and pagedserve's own int4/int8 (`quantize`:
+  Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and IQ4_NL exactly, and pagedserve's own int4/int8 (`quantize`:
   each group's minimum and maximum are codes 0 and 2^bits - 1; 4 bits is Q4_1).
 - `SUPER_MIN`: an fp16 `d` and `dmin` per `SUPER` inputs, a 6-bit scale and minimum per
   group: `W = d * sc * code - dmin * m`: Q4_K (4 bits) and Q5_K (5 bits).
