@@ -185,8 +185,8 @@ def test_an_unload_waits_for_the_requests_in_flight(paths: dict[str, Path]) -> N
 @pytest.mark.slow
 def test_unloading_gives_back_what_loading_took(tmp_path: Path) -> None:
     """The default model, as `make serve` serves it, loaded and unloaded six times in a
-    `pagedserve serve` process: each unload returns most of what its load took (the KV
-    cache zero-filled at load, the weights), and the cycles leave nothing growing."""
+    `pagedserve serve` process: each unload returns most of what its load took (the
+    weights, mapped, and the KV the request wrote), and the cycles leave nothing growing."""
     settings = ["--model", "smollm2=default", "--kv-cache-memory", "512MiB",
                 "--kv-disk-size", "0"]  # fmt: skip
     started: list[subprocess.Popen] = []
@@ -205,6 +205,8 @@ def test_unloading_gives_back_what_loading_took(tmp_path: Path) -> None:
                 f"{url}/models/unload", json={"model": "smollm2"}, timeout=300
             ).is_success
             after_unload.append(process.memory_info().rss)
-            assert loaded - before > 512 * 2**20  # at least the KV cache, zero-filled
-            assert loaded - after_unload[-1] > 0.8 * (loaded - before)
+            # The weights' ~100 MB at least, taken and given back (a load also leaves some
+            # heap behind, and the first its libraries: the last check bounds those).
+            assert loaded - before > 64 * 2**20
+            assert loaded - after_unload[-1] > 64 * 2**20
         assert after_unload[-1] < 1.1 * after_unload[1]
