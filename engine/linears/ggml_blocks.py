@@ -69,10 +69,9 @@ def _fifth_bits(qh: np.ndarray) -> np.ndarray:
 
 def _affine(ggml_type: str, data: np.ndarray):
     """codes [rows, blocks, 32], scale and offset [rows, blocks] (fp16), bits."""
-    if ggml_type == "Q8_0":
-        d = _half(data, 0)
-        return data[..., 2:] ^ 0x80, d, _exact(d, -128), 8
     d = _half(data, 0)
+    if ggml_type == "Q8_0":
+        return data[..., 2:] ^ 0x80, d, _exact(d, -128), 8
     if ggml_type == "IQ4_NL":
         return _IQ4_NL_CODES[_nibbles(data[..., 2:])], d, _exact(d, -128), 8
     if ggml_type == "Q4_0":
