@@ -150,11 +150,13 @@ struct QuantizedRows {
   std::unique_ptr<int8_t[]> codes256;  // [m, k], per super-block
   std::unique_ptr<float[]> scales256;  // [m, k / 256]
   std::unique_ptr<int32_t[]> sums16;   // [m, k / 16]
-  // The codes again, rows interleaved 12 at a time (AVX2's decoded tiles; else empty): row
-  // r's input i at ((r / 12) * 12 * k + (i / 4) * 48 + (r % 12) * 4 + i % 4), rows past m
-  // zero.
+  // The codes again, rows interleaved R = kInterleave at a time (AVX2's decoded tiles; else
+  // empty): row r's input i at ((r / R) * R * k + (i / 4) * 4R + (r % R) * 4 + i % 4), rows
+  // past m zero.
   std::unique_ptr<int8_t[]> runs;     // of `codes`
   std::unique_ptr<int8_t[]> runs256;  // of `codes256`
+  // Per group of 32, the integer sum of its codes (AVX2's decoded 8-bit tiles; else empty).
+  std::unique_ptr<int32_t[]> code_sums;  // [m, k / 32]
   // Per super-block (AVX2), the int16 pairs its epilogues multiply by pairs of small scales:
   // 4 pairs of its groups' sums (sums of 32), then 8 pairs of its sums per 16, each the
   // first sum in the low 16 bits and the second in the high (each sum below 2^15).
@@ -193,6 +195,7 @@ void quantize_row(const T* x, int64_t r, int64_t k, QuantizedRows& q) {
     }
     q.scales[r * groups + g] = amax / 127.0f;
     q.sums[r * groups + g] = static_cast<float>(sum) * q.scales[r * groups + g];
+    if (q.code_sums) q.code_sums[r * groups + g] = sum;
   }
 }
 

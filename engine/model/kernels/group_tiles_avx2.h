@@ -7,16 +7,17 @@
 // they stay below 2^15: a pair of 4-bit codes gives at most 2 * 15 * 127 = 3,810, so a
 // group's 8 code vectors add up in int16 before one widening; 5-bit codes widen every 4
 // code vectors, 6-bit every 2, and 8-bit codes (which one pair could overflow) are split
-// into nibbles, code = low + 16 high. The widening multiplies by ones, or by a super-block
-// group's small scale (exact: at most 2 * 32,004 * 128 < 2^31). So the integer sums are
-// exact, the float arithmetic runs in the scalar order, and the bits are the scalar code's.
+// into nibbles, code = low + 16 high (decoded tiles take them signed: `add_signed`). The
+// widening multiplies by ones, or by a super-block group's small scale (exact: at most
+// 2 * 32,004 * 128 < 2^31). So the integer sums are exact, the float arithmetic runs in the
+// scalar order, and the bits are the scalar code's.
 //
 // Below 8 rows (decode), a tile's two halves of 8 outputs run together, in runs of up to 2
 // rows (AVX2 has 16 vector registers), so each broadcast input serves 16 outputs. At one row
 // the kernel is memory-bound, and the hardware prefetchers alone leave it short of what the
 // cores can stream: each group asks the L2 for the codes `kPrefetchBytes` ahead (`python -m
 // bench.linear_kernels` measures it). With more rows (prefill, batched decode) the kernel is
-// compute-bound, and codes of 4 to 6 bits run on decoded tiles (`decoded_tile`), which pay
+// compute-bound, and every format runs on decoded tiles (`decoded_tile`), which pay
 // from `kDecodedMinRows` rows on (below it decoding a tile costs more than it saves), in
 // runs of `kDecodedRun` rows: runs of 8 rows beat runs of 6 (4-bit codes) and of 4 (5- and
 // 6-bit codes) by 15-35% a core, though their sums no longer all fit AVX2's 16 registers.
@@ -105,6 +106,7 @@ QuantizedRows quantize_rows(const T* x, int64_t m, int64_t k, bool groups, bool 
   const bool runs = m >= kDecodedMinRows;
   const int64_t padded = (m + kInterleave - 1) / kInterleave * kInterleave * k;
   if (runs && groups) q.runs.reset(new int8_t[padded]());
+  if (runs && groups) q.code_sums.reset(new int32_t[m * (k / kGroup)]);
   if (runs && supers) q.runs256.reset(new int8_t[padded]());
   if (supers) q.pair_sums.reset(new int32_t[m * (k / kSuper) * QuantizedRows::kPairSums]);
   const int64_t grain = std::max<int64_t>(1, 16 * 1024 / k);
@@ -423,13 +425,28 @@ void super_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, int6
 // one pointer reaches a run's rows), two VPMADDUBSW and two adds.
 // The integer sums are the same exact integers, widened on the same schedule, and each
 // row's float operations are `affine_epilogue`'s or `super_epilogue`'s in the same order,
-// so the bits are those of the runs above.
+// so the bits are those of the runs above. 8-bit codes decode to code - 128, whose products
+// with x need no split into nibbles (`add_signed`: 1.2-1.4x the split's speed at 64 to
+// 4,480 rows of MiniLM's shapes, two cores), and the epilogue adds back 128 times the sum
+// of the row's codes.
 constexpr int64_t kChunkGroups = 32;
 constexpr int64_t kDecodedGroup = 2 * 4 * 64;  // bytes: [half][pair][low, high][32]
 
 // Group g's code vectors (`c`: its packed codes) into `out`, as `kDecodedGroup` bytes.
 template <int64_t Bits>
 inline void decode_group(const uint8_t* c, uint8_t* out) {
+  if constexpr (Bits == 8) {  // code vector v's half h at h * 256 + v * 32, as code - 128
+    const __m256i centre = _mm256_set1_epi8(static_cast<char>(0x80));
+    for (int h = 0; h < 2; ++h) {
+      for (int v = 0; v < 8; ++v) {
+        const __m256i codes =
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + v * 64 + 32 * h));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(out + h * 256 + v * 32),
+                           _mm256_xor_si256(codes, centre));
+      }
+    }
+    return;
+  }
   const auto store = [&](int h, int j, __m256i lo, __m256i hi) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(out + h * 256 + j * 64), lo);
     _mm256_store_si256(reinterpret_cast<__m256i*>(out + h * 256 + j * 64 + 32), hi);
@@ -465,6 +482,25 @@ __attribute__((always_inline)) inline void add_decoded(const uint8_t* d, const i
   }
 }
 
+// A decoded half of 8-bit codes (`d`: its code vectors as s = code - 128) against `Rows` rows
+// of a run, into isum[r] as sum s * x. VPMADDUBSW takes |s| (VPABSB leaves -128 as the byte
+// 0x80, which it reads as the unsigned 128) times x with s's sign (VPSIGNB), so each int16
+// pair is at most 2 * 128 * 127 < 2^15, exact, and is widened at once.
+template <int64_t Rows>
+__attribute__((always_inline)) inline void add_signed(const uint8_t* d, const int8_t* x,
+                                                      __m256i* isum) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int v = 0; v < 8; ++v) {
+    const __m256i s = _mm256_load_si256(reinterpret_cast<const __m256i*>(d + v * 32));
+    const __m256i magnitude = _mm256_abs_epi8(s);
+    for (int64_t r = 0; r < Rows; ++r) {
+      const __m256i signed_x = _mm256_sign_epi8(broadcast4(x + 4 * kInterleave * v + 4 * r), s);
+      const __m256i pairs = _mm256_maddubs_epi16(magnitude, signed_x);
+      isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(pairs, ones));
+    }
+  }
+}
+
 template <int64_t Rows>
 __attribute__((always_inline)) inline void widen_half(__m256i factor, __m256i* s16,
                                                       __m256i* isum) {
@@ -488,6 +524,7 @@ template <int64_t Rows, int64_t Bits, int64_t Scheme>
 __attribute__((always_inline)) inline void decoded_group_sums(const Tile& tile, int64_t g, int h,
                                                               const uint8_t* d, const int8_t* x,
                                                               __m256i* isum) {
+  if constexpr (Bits == 8) return add_signed<Rows>(d, x, isum);
   __m256i s16[Rows];
   for (int64_t r = 0; r < Rows; ++r) s16[r] = _mm256_setzero_si256();
   __m256i first = _mm256_set1_epi16(1), second = first;
@@ -529,6 +566,10 @@ void decoded_rows(const Weights& w, const Tile& tile, const QuantizedRows& q, in
         decoded_group_sums<Rows, Bits, Scheme>(
             tile, g, h, decoded + (g - g0) * kDecodedGroup + h * 256, x, isum);
         for (int64_t r = 0; r < Rows; ++r) {
+          if constexpr (Bits == 8) {  // sum code * x = sum (code - 128) * x + 128 sum x
+            const int32_t sum = q.code_sums[(r0 + r) * (k / kGroup) + g];
+            isum[r] = _mm256_add_epi32(isum[r], _mm256_set1_epi32(128 * sum));
+          }
           affine_epilogue(tile, g, q, (r0 + r) * (k / kGroup) + g, h, isum[r],
                           acc + r * kTile + 8 * h);
         }
@@ -612,12 +653,12 @@ void tile_run(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r0, i
 
 static_assert(kRowRun == 2, "tile_run instantiates runs of 1 and 2 rows");
 
-// Rows r_begin..r_end-1 against tile t: decoded tiles from kDecodedMinRows rows on (codes of
-// 4 to 6 bits), else runs of kRowRun rows over the packed codes.
+// Rows r_begin..r_end-1 against tile t: decoded tiles from kDecodedMinRows rows on, else runs
+// of kRowRun rows over the packed codes.
 template <int64_t Bits, int64_t Scheme>
 void tile_rows(const Weights& w, int64_t t, const QuantizedRows& q, int64_t r_begin,
                int64_t r_end, const Output& out, int64_t valid) {
-  if (Bits != 8 && r_end - r_begin >= kDecodedMinRows) {
+  if (r_end - r_begin >= kDecodedMinRows) {
     return decoded_tile<Bits, Scheme>(w, t, q, r_begin, r_end, out, valid);
   }
   for (int64_t r = r_begin; r < r_end; r += kRowRun) {
