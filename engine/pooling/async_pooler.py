@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
-from engine import torch_thread
+from engine import capabilities, torch_thread
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.model.loader import resolve_model_source
@@ -76,11 +76,11 @@ class AsyncPooler:
         """Load the model (`torch_thread.apart`) and return once it serves; raises what
         loading raised."""
         if config.device == "cuda" or config.dtype == "float16" or config.quantization in (
-            "gguf", "int8", "int4",
+            "gguf", "int4",
         ):  # fmt: skip
             raise ConfigError(
-                "a pooling model runs on the CPU in fp32 or bf16, unquantized: device, dtype "
-                "and quantization must be auto (or cpu, float32 or bfloat16, none)"
+                "a pooling model runs on the CPU in fp32 or bf16, unquantized or int8: device, "
+                "dtype and quantization must be auto (or cpu, float32 or bfloat16, none or int8)"
             )
         if config.enable_lora or config.lora_modules:
             raise ConfigError("enable_lora, lora_modules: LoRA adapters apply to generating models")
@@ -88,6 +88,11 @@ class AsyncPooler:
         source, self.model_name = resolve_model_source(config.model)
         self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.device = torch.device("cpu")
+        self.quantization = "int8" if config.quantization == "int8" else None
+        if self.quantization is not None:
+            reason = capabilities.quantization_unavailable(self.device, self.dtype, "int8")
+            if reason is not None:
+                raise ConfigError(f"quantization 'int8' cannot run here: {reason}")
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._ended: Future[BaseException | None] = Future()
         self._failure: BaseException | None = None
@@ -211,7 +216,9 @@ class AsyncPooler:
 
     def _run(self, folder: Path, loaded: queue.SimpleQueue) -> None:
         try:
-            model = torch_thread.apart(PoolingModel, folder, self.spec, self.dtype)
+            model = torch_thread.apart(
+                PoolingModel, folder, self.spec, self.dtype, self.quantization
+            )
         except BaseException as exc:
             loaded.put(
                 exc

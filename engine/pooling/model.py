@@ -7,7 +7,8 @@ the BERT family; for the others, their own forward attending through `text_atten
 Any other model runs each text alone through its own forward.
 
 Invariant: a text's output has the same bits alone or in any batch. Every linear is
-packed (oneDNN on the CPU: a row's bits do not depend on the row count), the embeddings,
+packed (oneDNN on the CPU: a row's bits do not depend on the row count) or quantized (the
+group kernel, at every row count, with the same property), the embeddings,
 norms, rotary embeddings and activations work row by row, and attention runs per text on
 its own rows.
 """
@@ -51,9 +52,13 @@ class Text:
 
 
 class PoolingModel:
-    """The model of a pooling folder in `dtype` on the CPU: `embed` and `classify` texts."""
+    """The model of a pooling folder in `dtype` on the CPU, its linears quantized to
+    `quantization` ("int8", pagedserve's own groups) where given: `embed` and `classify`
+    texts."""
 
-    def __init__(self, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> None:
+    def __init__(
+        self, folder: Path, spec: PoolingSpec, dtype: torch.dtype, quantization: str | None = None
+    ) -> None:
         auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
         if spec.classifier_tokens is not None:
             auto = AutoModelForCausalLM  # a decoder reranker scores with its LM head's rows
@@ -82,6 +87,8 @@ class PoolingModel:
         if self.packed_forward:
             attend_text_by_text(model)
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
+        if quantization is not None:  # the group kernel: a row's bits depend on it alone
+            capabilities.quantize(self.model, quantization, dtype, None, every_row_count=True)
         # The row count the linears compute n rows with: a batch's rows are padded to it
         # once, not by each linear.
         self.padded_rows = capabilities.pack(self.model, torch.device("cpu"), dtype)

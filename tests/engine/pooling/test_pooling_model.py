@@ -30,7 +30,7 @@ from transformers import (
     RobertaModel,
 )
 
-from engine.config import EngineConfig
+from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
 from engine.pooling.async_pooler import AsyncPooler
 from engine.pooling.model import PACKED_DECODERS, PACKED_FORWARD_ENCODERS, PoolingModel, Text
@@ -217,3 +217,12 @@ def test_a_shutdown_with_texts_waiting_fails_them_and_returns(tmp_path: Path):
             await running
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("mode", ["int4", "gguf"])
+def test_quantizations_other_than_int8_are_refused_for_a_pooling_model(tmp_path: Path, mode: str):
+    torch.manual_seed(0)
+    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
+    config = EngineConfig(model=str(tmp_path), quantization=mode)
+    with pytest.raises(ConfigError, match="none or int8"):
+        AsyncPooler(config, pooling_spec(tmp_path))

@@ -185,12 +185,13 @@ def server(
     embeddinggemma: Path,
     tiny_model_paths: dict[str, Path],
 ) -> Iterator[str]:
-    """One server of eight models: four embedders, two cross-encoders, a reranker and a
-    chat model."""
+    """One server of nine models: five embedders (MiniLM twice: fp32 and int8), two
+    cross-encoders, a reranker and a chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
         models=[
             ServedModelConfig(name="minilm", model=str(minilm)),
+            ServedModelConfig(name="minilm-int8", model=str(minilm), quantization="int8"),
             ServedModelConfig(name="cross", model=str(cross_encoder)),
             ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
             ServedModelConfig(name="modernbert", model=str(modernbert)),
@@ -249,6 +250,23 @@ def test_a_texts_embedding_has_the_same_bits_alone_and_in_a_batch_of_64(server: 
     for i in (0, 17, 63):
         alone = _vectors(_embed(server, texts[i], encoding_format="base64"))[0]
         assert np.array_equal(alone, batched[i]), i
+
+
+def test_int8_embeddings_keep_a_cosine_of_0_999_and_their_bits_alone_and_batched(
+    server: str, reference: SentenceTransformer
+):
+    texts = _texts(200)
+    got = np.concatenate([
+        _vectors(_embed(server, texts[start : start + 50], model="minilm-int8"))
+        for start in range(0, 200, 50)
+    ])  # fmt: skip
+    want = reference.encode(texts, batch_size=32, convert_to_numpy=True)
+    cosine = (got * want).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(want, axis=1)
+    assert cosine.min() >= 0.999
+    assert cosine.min() < 0.99999  # quantized: not the fp32 model's embeddings
+    for i in (0, 17, 49):
+        alone = _vectors(_embed(server, texts[i], model="minilm-int8"))[0]
+        assert np.array_equal(alone, got[i]), i
 
 
 @pytest.mark.parametrize(
