@@ -213,6 +213,16 @@ class EngineConfig(BaseModel):
     hf_overrides: dict[str, Any] | None = Field(
         None, description="a JSON object laid over the model's config.json (pooling models)"
     )
+    # vLLM's pooler config: serve the model as an embedding model that pools its token
+    # states by `pooling_type` (LAST, MEAN or CLS), normalized unless `normalize` is false
+    # (engine/pooling/spec.py). It makes a decoder folder without sentence-transformers'
+    # modules (a chat model) an embedder, and overrides such a folder's Pooling and
+    # Normalize modules. Any other key is refused by name.
+    pooler_config: dict[str, Any] | None = Field(
+        None,
+        description='serve as an embedding model pooling as it says: {"pooling_type": '
+        '"LAST" | "MEAN" | "CLS", "normalize": true}',
+    )
 
     # Bounds on what one request may carry where its size multiplies per-step work
     # (engine/sampling/params.py: RequestLimits); past one, the request gets a 400 naming
@@ -249,7 +259,7 @@ class EngineConfig(BaseModel):
             raise ValueError(f"'auto', 'vllm' or a folder holding {GENERATION_CONFIG_FILE}")
         return str(folder)
 
-    @field_validator("override_generation_config", "hf_overrides", mode="before")
+    @field_validator("override_generation_config", "hf_overrides", "pooler_config", mode="before")
     @classmethod
     def _override_from_json(cls, value: object) -> object:
         # The command line and the environment give a JSON object as text.

@@ -49,7 +49,13 @@ def pooling_model(config: EngineConfig) -> PoolingSpec | None:
     """The pooling spec of the configured model, or None for a model to generate with."""
     source, _ = resolve_model_source(config.model)
     folder = Path(source)
-    spec = pooling_spec(folder, config.hf_overrides) if folder.is_dir() else None
+    pooler = config.pooler_config
+    spec = pooling_spec(folder, config.hf_overrides, pooler) if folder.is_dir() else None
+    if spec is None and pooler:
+        raise ConfigError(
+            f"pooler_config: {config.model} is not a folder of a model that can embed "
+            "(a transformers or sentence-transformers folder)"
+        )
     if spec is None and config.hf_overrides:
         raise ConfigError(
             "hf_overrides: read for pooling models only (a decoder reranker); "

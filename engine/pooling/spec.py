@@ -9,6 +9,9 @@ the tokenizer's `model_max_length` where sentence-transformers 6 saved it.
 A decoder (`DECODER_TYPES`) is an embedder only from a sentence-transformers folder, and a
 reranker where `hf_overrides` make it a `*ForSequenceClassification` with
 `classifier_from_token` (vLLM's way to serve Qwen3-Reranker).
+`pooler_config` (vLLM's setting: `pooling_type` LAST, MEAN or CLS, and `normalize`) makes
+any encoder or `DECODER_TYPES` folder an embedder pooling as it says, over what the folder
+says: a chat model's folder too.
 A plain transformers folder is a pooling model by its architecture: an encoder
 (`BertModel`, `RobertaModel`, `XLMRobertaModel`, `ModernBertModel`) embeds with CLS
 pooling, normalized, as
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from engine.config import ConfigError
 from engine.errors import ModelLoadError
 
 ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
@@ -40,6 +44,9 @@ POOLING_KEYS = {
 # The activations a Dense module may name (torch.nn's classes, by sentence-transformers'
 # full names, as `torch.nn.modules.activation.Tanh`).
 DENSE_ACTIVATIONS = ("GELU", "Identity", "ReLU", "SiLU", "Sigmoid", "Tanh")
+# vLLM's pooler config: its pooling types served, and its keys read.
+POOLING_TYPES = {"LAST": "last", "MEAN": "mean", "CLS": "cls"}
+POOLER_KEYS = ("pooling_type", "normalize")
 
 
 @dataclass(frozen=True)
@@ -77,10 +84,13 @@ def _json(path: Path) -> dict:
         raise ModelLoadError(f"{path}: cannot be read as JSON ({exc})") from None
 
 
-def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | None:
-    """The folder's pooling spec, its config.json under `overrides` (`hf_overrides`), or
-    None where it holds no pooling model (a decoder to generate with). Raises
-    ModelLoadError naming what the folder asks for that is not served."""
+def pooling_spec(
+    folder: Path, overrides: dict | None = None, pooler: dict | None = None
+) -> PoolingSpec | None:
+    """The folder's pooling spec, its config.json under `overrides` (`hf_overrides`) and
+    pooling as `pooler` (`pooler_config`) says where given, or None where it holds no
+    pooling model (a decoder to generate with). Raises ModelLoadError naming what the
+    folder asks for that is not served, ConfigError what `pooler` asks for."""
     if not (folder / "config.json").is_file():
         return None
     config = _json(folder / "config.json") | (overrides or {})
@@ -89,27 +99,36 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
     model_type = config.get("model_type")
     encoder = model_type in ENCODER_TYPES
     modules = folder / "modules.json"
+    pooled, normalized = _pooler(pooler) if pooler is not None else (None, None)
+    if pooler is not None and classify:
+        raise ConfigError(f"pooler_config: applies to embedding models, and {folder} scores pairs")
     if not encoder and classify and "classifier_from_token" in config:
         return _decoder_reranker(config, folder)
     if not encoder:
-        if not modules.is_file():
+        if not modules.is_file() and pooler is None:
             return None  # a model to generate with
         if model_type not in DECODER_TYPES:
             raise ModelLoadError(
-                f"{folder}: a sentence-transformers model of type '{model_type}' is not "
+                f"{folder}: an embedding model of type '{model_type}' is not "
                 f"served (encoders: {', '.join(ENCODER_TYPES)}; decoders: "
                 f"{', '.join(DECODER_TYPES)})"
             )
-    if not (classify or any(name.endswith("Model") for name in architectures) or modules.is_file()):
+    if encoder and not (
+        classify or any(name.endswith("Model") for name in architectures) or modules.is_file()
+    ):
         return None  # a masked-LM head: not a pooling model (refused by the generation loader)
     matryoshka = tuple(config.get("matryoshka_dimensions") or ())
     is_matryoshka = bool(matryoshka or config.get("is_matryoshka"))
     if classify:
         return PoolingSpec("classify", max_length=_window(folder), matryoshka=())
     if not modules.is_file():
+        mode = pooled or ("cls" if encoder else "last")
+        if not encoder and mode == "cls":
+            raise ConfigError("pooler_config: a decoder pools its last token or its mean, not CLS")
         return PoolingSpec(
-            "embed", "cls", True, _window(folder), matryoshka, is_matryoshka=is_matryoshka
-        )
+            "embed", mode, normalized is not False, _window(folder), matryoshka,
+            not encoder, is_matryoshka=is_matryoshka,
+        )  # fmt: skip
     pooling: Literal["cls", "mean", "last"] = "cls"
     normalize = False
     dense: list[DenseSpec] = []
@@ -131,12 +150,34 @@ def pooling_spec(folder: Path, overrides: dict | None = None) -> PoolingSpec | N
             raise ModelLoadError(
                 f"{modules}: the sentence-transformers module '{kind}' is not served"
             )
+    pooling = pooled or pooling
+    normalize = normalize if normalized is None else normalized
     if not encoder and pooling == "cls":
         raise ModelLoadError(f"{modules}: a decoder pools its last token or its mean, not CLS")
     return PoolingSpec(
         "embed", pooling, normalize, _window(folder), matryoshka, not encoder,
         dense=tuple(dense), is_matryoshka=is_matryoshka,
     )  # fmt: skip
+
+
+def _pooler(pooler: dict) -> tuple[Literal["cls", "mean", "last"] | None, bool | None]:
+    """`pooler_config`'s pooling and normalization (None where it leaves them as the folder
+    says); raises ConfigError naming a key or value that is not served."""
+    unknown = sorted(set(pooler) - set(POOLER_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"pooler_config: '{unknown[0]}' is not served (only {', '.join(POOLER_KEYS)})"
+        )
+    kind, normalize = pooler.get("pooling_type"), pooler.get("normalize")
+    if kind is not None and (not isinstance(kind, str) or kind.upper() not in POOLING_TYPES):
+        raise ConfigError(
+            f"pooler_config: pooling_type {kind!r} is not served (one of "
+            f"{', '.join(POOLING_TYPES)})"
+        )
+    if normalize is not None and not isinstance(normalize, bool):
+        raise ConfigError(f"pooler_config: normalize must be true or false, not {normalize!r}")
+    pooling = POOLING_TYPES[kind.upper()] if kind is not None else None
+    return pooling, normalize  # type: ignore[return-value]
 
 
 def _module_kind(name: str) -> str:

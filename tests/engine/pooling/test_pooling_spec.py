@@ -14,6 +14,7 @@ from engine.pooling.spec import DenseSpec, PoolingSpec, pooling_spec
 
 
 def _folder(tmp_path: Path, config: dict, modules: list[dict] | None = None, **files: dict) -> Path:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     (tmp_path / "config.json").write_text(json.dumps(config))
     if modules is not None:
         (tmp_path / "modules.json").write_text(json.dumps(modules))
@@ -145,3 +146,56 @@ def test_a_generating_model_refuses_hf_overrides_by_name(tiny_model_paths: dict[
     assert config.hf_overrides == {"max_position_embeddings": 64}  # JSON text, as flags give it
     with pytest.raises(ConfigError, match="hf_overrides: read for pooling models only"):
         pooling_model(config)
+
+
+def test_a_pooler_config_makes_a_chat_model_an_embedder_and_overrides_the_folders_pooling(
+    tmp_path: Path,
+):
+    llama = _folder(
+        tmp_path / "llama", {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    )
+    assert pooling_spec(llama) is None  # a model to generate with
+    last = PoolingSpec("embed", "last", True, None, (), causal=True)
+    assert pooling_spec(llama, pooler={}) == last  # vLLM's default for a decoder: LAST
+    mean = pooling_spec(llama, pooler={"pooling_type": "mean", "normalize": False})
+    assert mean == PoolingSpec("embed", "mean", False, None, (), causal=True)
+    assert pooling_spec(_folder(tmp_path / "bert", BERT), pooler={"pooling_type": "MEAN"}) == (
+        PoolingSpec("embed", "mean", True)
+    )
+    folder = _folder(
+        tmp_path / "st", BERT, _modules("Transformer", "Pooling"),
+        **{"1_Pooling__config.json": {"pooling_mode_cls_token": True}},
+    )  # fmt: skip
+    assert pooling_spec(folder) == PoolingSpec("embed", "cls", False)
+    assert pooling_spec(folder, pooler={"pooling_type": "LAST", "normalize": True}) == (
+        PoolingSpec("embed", "last", True)
+    )
+
+
+@pytest.mark.parametrize(
+    ("pooler", "named"),
+    [
+        ({"pooling_type": "STEP"}, "pooling_type 'STEP' is not served"),
+        ({"pooling_type": "CLS"}, "a decoder pools its last token or its mean"),
+        ({"softmax": True}, "'softmax' is not served"),
+        ({"normalize": "yes"}, "normalize must be true or false"),
+    ],
+)
+def test_what_a_pooler_config_asks_for_and_is_not_served_is_refused_by_name(
+    tmp_path: Path, pooler: dict, named: str
+):
+    llama = _folder(tmp_path, {"model_type": "llama", "architectures": ["LlamaForCausalLM"]})
+    with pytest.raises(ConfigError, match=named):
+        pooling_spec(llama, pooler=pooler)
+
+
+def test_a_pooler_config_is_refused_for_a_cross_encoder_and_a_file(tmp_path: Path):
+    cross = _folder(
+        tmp_path, {"model_type": "bert", "architectures": ["BertForSequenceClassification"]}
+    )
+    with pytest.raises(ConfigError, match="applies to embedding models"):
+        pooling_spec(cross, pooler={"pooling_type": "MEAN"})
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ConfigError, match=r"pooler_config: .* is not a folder"):
+        pooling_model(EngineConfig(model=str(gguf), pooler_config='{"pooling_type": "LAST"}'))

@@ -13,6 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from langchain_openai import OpenAIEmbeddings
 from prometheus_client.parser import text_string_to_metric_families
 from sentence_transformers import SentenceTransformer
@@ -21,6 +22,7 @@ from sentence_transformers.base.modules.normalize import Normalize
 from sentence_transformers.base.modules.transformer import Transformer
 from sentence_transformers.sentence_transformer.modules.pooling import Pooling
 from transformers import (
+    AutoModel,
     AutoModelForCausalLM,
     AutoTokenizer,
     BertConfig,
@@ -185,8 +187,8 @@ def server(
     embeddinggemma: Path,
     tiny_model_paths: dict[str, Path],
 ) -> Iterator[str]:
-    """One server of nine models: five embedders (MiniLM twice: fp32 and int8), two
-    cross-encoders, a reranker and a chat model."""
+    """One server of ten models: six embedders (MiniLM twice: fp32 and int8; the chat
+    model's folder by a pooler config), two cross-encoders, a reranker and a chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
         models=[
@@ -199,6 +201,9 @@ def server(
             ServedModelConfig(name="embeddinggemma", model=str(embeddinggemma)),
             ServedModelConfig(
                 name="qwen3-reranker", model=str(tiny_model_paths["qwen3"]), hf_overrides=RERANKER
+            ),
+            ServedModelConfig(
+                name="chat-embed", model=chat.model, pooler_config={"pooling_type": "MEAN"}
             ),
             ServedModelConfig(name="chat", model=chat.model, dtype="float32",
                               kv_cache_memory="64MiB", max_model_len=512, enforce_eager=True),
@@ -471,6 +476,33 @@ def test_each_model_serves_only_its_own_endpoints(server: str):
     assert completion.choices[0].text is not None  # the chat model serves beside them
     asleep = httpx.post(f"{server}/sleep")
     assert asleep.status_code == 400 and "does not sleep" in asleep.json()["error"]["message"]
+
+
+def test_a_chat_models_folder_embeds_as_its_pooler_config_says(
+    server: str, tiny_model_paths: dict[str, Path]
+):
+    """vLLM's `pooler_config` (MEAN here) serves a chat model's folder as an embedder: its
+    token states' mean, normalized, as transformers computes them; it generates nothing."""
+    folder = tiny_model_paths["llama"]
+    texts = ["a river bank at night", "money", "the city of water and light " * 5]
+    got = _vectors(_embed(server, texts, model="chat-embed", encoding_format="base64"))
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = [
+            F.normalize(
+                model(**tokenizer(text, return_tensors="pt")).last_hidden_state[0].mean(0), dim=0
+            )
+            for text in texts
+        ]
+    assert np.abs(got - torch.stack(want).numpy()).max() <= 1e-5
+    assert np.array_equal(_vectors(_embed(server, texts[1], model="chat-embed"))[0], got[1])
+    chat = httpx.post(
+        f"{server}/v1/chat/completions",
+        json={"model": "chat-embed", "messages": [{"role": "user", "content": "hi"}]},
+    )
+    assert chat.status_code == 400
+    assert "'chat-embed' is a pooling model" in chat.json()["error"]["message"]
 
 
 def test_pooling_work_shows_in_the_vllm_metrics(server: str):
