@@ -51,7 +51,7 @@ def pooling_model(config: EngineConfig) -> PoolingSpec | None:
     folder = Path(source)
     pooler = config.pooler_config
     spec = pooling_spec(folder, config.hf_overrides, pooler) if folder.is_dir() else None
-    if spec is None and pooler:
+    if spec is None and pooler is not None:
         raise ConfigError(
             f"pooler_config: {config.model} is not a folder of a model that can embed "
             "(a transformers or sentence-transformers folder)"
