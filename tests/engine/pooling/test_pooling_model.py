@@ -173,11 +173,17 @@ def test_a_dense_module_that_does_not_fit_the_pooled_vector_is_refused_by_name(t
         PoolingModel(tmp_path, pooling_spec(tmp_path), torch.float32)
 
 
-def _small_bert_pooler(folder: Path) -> AsyncPooler:
-    """A pooling engine of a random BERT saved in `folder`, 128 tokens a batch."""
+def _small_bert(folder: Path) -> Path:
+    """A random BERT and its vocabulary, saved in `folder`."""
     torch.manual_seed(0)
     BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(folder)
     (folder / "vocab.txt").write_text("\n".join(f"t{i}" for i in range(300)))
+    return folder
+
+
+def _small_bert_pooler(folder: Path) -> AsyncPooler:
+    """A pooling engine of a random BERT saved in `folder`, 128 tokens a batch."""
+    _small_bert(folder)
     return AsyncPooler(
         EngineConfig(model=str(folder), max_num_batched_tokens=128), pooling_spec(folder)
     )
@@ -221,8 +227,6 @@ def test_a_shutdown_with_texts_waiting_fails_them_and_returns(tmp_path: Path):
 
 @pytest.mark.parametrize("mode", ["int4", "gguf"])
 def test_quantizations_other_than_int8_are_refused_for_a_pooling_model(tmp_path: Path, mode: str):
-    torch.manual_seed(0)
-    BertModel(BertConfig(**SHAPE, architectures=["BertModel"])).save_pretrained(tmp_path)
-    config = EngineConfig(model=str(tmp_path), quantization=mode)
+    config = EngineConfig(model=str(_small_bert(tmp_path)), quantization=mode)
     with pytest.raises(ConfigError, match="none or int8"):
         AsyncPooler(config, pooling_spec(tmp_path))
