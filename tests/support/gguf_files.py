@@ -6,6 +6,7 @@ The quantized tensors hold random blocks: every byte random, the fp16 scales of 
 set to a size that keeps the weights near those of a trained model (|w| up to about 0.1).
 Any block is a valid one, so a file exercises every bit of the type's format. The tokenizer
 is the tiny models' byte-level BPE (384 tokens, tests/support/tiny_models.py).
+`write_bert_gguf` writes a real BERT folder's own weights, as the converter writes a BERT.
 """
 
 from __future__ import annotations
@@ -14,8 +15,17 @@ import json
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import (
+    MODEL_ARCH,
+    GGMLQuantizationType,
+    GGUFWriter,
+    PoolingType,
+    TokenType,
+    get_tensor_name_map,
+)
 from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import quantize
+from transformers import AutoTokenizer, BertConfig, BertModel
 
 from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
@@ -173,3 +183,61 @@ def _add_tokenizer(writer: GGUFWriter, tokenizer) -> None:
     writer.add_eos_token_id(tokenizer.eos_token_id)
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_chat_template(CHAT_TEMPLATE)
+
+
+def write_bert_gguf(
+    folder: Path, path: Path, ggml_type: str = "F32", pooling: PoolingType = PoolingType.MEAN
+) -> Path:
+    """The BERT model of `folder` (a sentence-transformers folder) as llama.cpp's converter
+    writes it: `bert.*` metadata, the WordPiece vocabulary with a phantom space ("▁word",
+    continuations without their "##"), norms and biases in F32, the matrices in
+    `ggml_type` (F32, F16 or a block type, quantized by gguf's own code) but for the
+    position and token-type embeddings, in F32 as there."""
+    config = BertConfig.from_pretrained(folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    writer = GGUFWriter(path, "bert")
+    writer.add_name(folder.name)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
+    special = set(tokenizer.all_special_tokens)
+    by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list([
+        t if t in special else t[2:] if t.startswith("##") else f"\u2581{t}" for t, _ in by_id
+    ])  # fmt: skip
+    writer.add_token_types(
+        [TokenType.CONTROL if t in special else TokenType.NORMAL for t, _ in by_id]
+    )
+    writer.add_token_type_count(config.type_vocab_size)
+    writer.add_bos_token_id(tokenizer.cls_token_id)
+    writer.add_eos_token_id(tokenizer.sep_token_id)
+    writer.add_unk_token_id(tokenizer.unk_token_id)
+    writer.add_sep_token_id(tokenizer.sep_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_mask_token_id(tokenizer.mask_token_id)
+    writer.add_bool("tokenizer.ggml.normalizer.lowercase", tokenizer.do_lower_case)
+    names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
+    for hf_name, value in BertModel.from_pretrained(folder).state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base)
+        if name is None:  # the pooler, which llama.cpp's converter drops
+            continue
+        data = value.numpy()
+        if data.ndim == 1 or ggml_type == "F32" or name in ("position_embd", "token_types"):
+            writer.add_tensor(f"{name}.{suffix}", data)
+        elif ggml_type == "F16":
+            writer.add_tensor(f"{name}.{suffix}", data.astype(np.float16))
+        else:
+            kind = GGMLQuantizationType[ggml_type]
+            writer.add_tensor(f"{name}.{suffix}", quantize(data, kind), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -189,13 +189,9 @@ def test_what_a_pooler_config_asks_for_and_is_not_served_is_refused_by_name(
         pooling_spec(llama, pooler=pooler)
 
 
-def test_a_pooler_config_is_refused_for_a_cross_encoder_and_a_file(tmp_path: Path):
+def test_a_pooler_config_is_refused_for_a_cross_encoder(tmp_path: Path):
     cross = _folder(
         tmp_path, {"model_type": "bert", "architectures": ["BertForSequenceClassification"]}
     )
     with pytest.raises(ConfigError, match="applies to embedding models"):
         pooling_spec(cross, pooler={"pooling_type": "MEAN"})
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    with pytest.raises(ConfigError, match=r"pooler_config: .* is not a folder"):
-        pooling_model(EngineConfig(model=str(gguf), pooler_config='{"pooling_type": "LAST"}'))

@@ -36,6 +36,7 @@ from transformers import (
 
 from server.config import ServeConfig, ServedModelConfig
 from tests.server.conftest import client, live_server, tiny_config
+from tests.support.gguf_files import write_bert_gguf
 
 pytestmark = pytest.mark.xdist_group("embeddings")
 
@@ -72,6 +73,12 @@ def _texts(count: int, seed: int = 0) -> list[str]:
 @pytest.fixture(scope="module")
 def reference(minilm: Path) -> SentenceTransformer:
     return SentenceTransformer(str(minilm), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def minilm_gguf(minilm: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """all-MiniLM-L6-v2 in Q8_0, laid out as llama.cpp's converter and quantizer make it."""
+    return write_bert_gguf(minilm, tmp_path_factory.mktemp("gguf") / "minilm-q8_0.gguf", "Q8_0")
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +187,7 @@ def _sentence_transformers_layout(folder: Path, pooling: str) -> None:
 @pytest.fixture(scope="module")
 def server(
     minilm: Path,
+    minilm_gguf: Path,
     cross_encoder: Path,
     decoder_embedder: Path,
     modernbert: Path,
@@ -187,13 +195,15 @@ def server(
     embeddinggemma: Path,
     tiny_model_paths: dict[str, Path],
 ) -> Iterator[str]:
-    """One server of ten models: six embedders (MiniLM twice: fp32 and int8; the chat
-    model's folder by a pooler config), two cross-encoders, a reranker and a chat model."""
+    """One server of eleven models: seven embedders (MiniLM thrice: fp32, int8 and a Q8_0
+    GGUF; the chat model's folder by a pooler config), two cross-encoders, a reranker and
+    a chat model."""
     chat = tiny_config(tiny_model_paths["llama"])
     config = ServeConfig(
         models=[
             ServedModelConfig(name="minilm", model=str(minilm)),
             ServedModelConfig(name="minilm-int8", model=str(minilm), quantization="int8"),
+            ServedModelConfig(name="minilm-gguf", model=str(minilm_gguf)),
             ServedModelConfig(name="cross", model=str(cross_encoder)),
             ServedModelConfig(name="qwen3-embedding", model=str(decoder_embedder)),
             ServedModelConfig(name="modernbert", model=str(modernbert)),
@@ -524,6 +534,22 @@ def test_langchain_openai_embeddings(server: str, reference: SentenceTransformer
     got = np.array(embedder.embed_documents(texts))
     assert np.abs(got - reference.encode(texts)).max() <= 1e-5
     assert np.abs(np.array(embedder.embed_query(texts[0])) - got[0]).max() == 0
+
+
+def test_a_bert_gguf_serves_embeddings_near_its_folders(
+    server: str, reference: SentenceTransformer
+):
+    """The Q8_0 file, as Ollama and llama.cpp users bring it: the openai client's embeddings
+    within Q8_0's rounding of the reference's; every paraphrase scores above every unrelated
+    pair."""
+    texts = [text for pair in PAIRS for text in pair]
+    got = np.array([
+        item.embedding
+        for item in client(server).embeddings.create(model="minilm-gguf", input=texts).data
+    ])  # fmt: skip
+    assert (got * reference.encode(texts)).sum(1).min() >= 0.999
+    scores = (got[0::2] * got[1::2]).sum(1)
+    assert scores[:10].min() > scores[10:].max()
 
 
 def test_haystack_openai_embedders(

@@ -1,0 +1,82 @@
+"""Embedders from GGUF files: all-MiniLM-L6-v2 written as llama.cpp's converter writes a BERT
+(F32: the folder's embeddings bit for bit; Q8_0: near them), a decoder's file made an
+embedder by a pooler config, and the BERT files that pool otherwise refused by name."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import PoolingType
+from transformers import AutoModel
+
+from engine.config import EngineConfig
+from engine.errors import UnsupportedModelError
+from engine.pooling.async_pooler import AsyncPooler, pooling_model
+from tests.support.gguf_files import write_bert_gguf, write_gguf
+
+# Cased, accented, CJK and punctuated text: the GGUF's vocabulary and lowercasing must
+# give the folder's tokenizer's ids.
+TEXTS = [
+    "A river bank at night.",
+    "Héllo WORLD, naïve café: 東京 and ünïcödé!",
+    "money " * 40,
+    "Whales migrate across oceans; unbelievably, they sing.",
+]
+
+
+def _embeddings(config: EngineConfig) -> tuple[list[list[int]], np.ndarray]:
+    """The texts' token ids and embeddings from a pooling engine of `config`."""
+    pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
+    try:
+        texts = pooler.encode(TEXTS, None)
+        vectors = asyncio.run(pooler.run(texts))
+    finally:
+        asyncio.run(pooler.shutdown())
+    return [text.token_ids for text in texts], torch.stack(vectors).numpy()
+
+
+def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: Path):
+    """In F32 the file holds the folder's weights, so the embeddings are the folder's bit for
+    bit (the same forward over the same ids); in Q8_0, within its rounding."""
+    ids, want = _embeddings(EngineConfig(model=str(minilm)))
+    f32 = write_bert_gguf(minilm, tmp_path / "minilm-f32.gguf", "F32")
+    got_ids, got = _embeddings(EngineConfig(model=str(f32)))
+    assert got_ids == ids
+    assert np.array_equal(got, want)
+    q8 = write_bert_gguf(minilm, tmp_path / "minilm-q8_0.gguf", "Q8_0")
+    _, got = _embeddings(EngineConfig(model=str(q8)))
+    cosine = (got * want).sum(1)  # both normalized
+    assert 0.999 <= cosine.min() < 0.99999
+
+
+@pytest.mark.parametrize("pooling", [PoolingType.RANK, PoolingType.LAST, PoolingType.NONE])
+def test_a_bert_gguf_that_pools_otherwise_is_refused_by_name(
+    minilm: Path, tmp_path: Path, cache: Path, pooling: PoolingType
+):
+    path = write_bert_gguf(minilm, tmp_path / "other.gguf", "F16", pooling)
+    with pytest.raises(UnsupportedModelError, match=f"pooling {pooling.name} is not served"):
+        pooling_model(EngineConfig(model=str(path)))
+
+
+def test_a_decoders_gguf_embeds_as_its_pooler_config_says(tmp_path: Path, cache: Path):
+    """A chat model's file is a model to generate with; a pooler config (LAST) makes it an
+    embedder of its last token's state, as transformers computes it from the same file."""
+    path = write_gguf(tmp_path / "chat.gguf", "Q8_0")
+    assert pooling_model(EngineConfig(model=str(path))) is None
+    config = EngineConfig(model=str(path), pooler_config={"pooling_type": "LAST"})
+    pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
+    try:
+        texts = pooler.encode(["hello there", "a b c d e f"], None)
+        got = asyncio.run(pooler.run(texts))
+    finally:
+        asyncio.run(pooler.shutdown())
+    model = AutoModel.from_pretrained(tmp_path, gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        for text, vector in zip(texts, got, strict=True):
+            state = model(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0, -1]
+            assert torch.allclose(vector, F.normalize(state, dim=0), atol=1e-5)
