@@ -46,7 +46,7 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from engine.config import cache_root
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.first_use import build_once
-from engine.model.gguf_encoder import ENCODER_ARCHITECTURES, write_encoder_folder
+from engine.model.gguf_encoder import ENCODER_ARCHITECTURES, parameter_names, write_encoder_folder
 
 # GGUF architecture names (`general.architecture`) pagedserve serves, each exactly: its
 # transformers config and model compute what llama.cpp computes for it. Mistral's models
@@ -123,7 +123,10 @@ class GgufFile:
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(
             config=model.config.to_dict()
         )
-        names = _parameter_names(model, processor, self.architecture)
+        layers = model.config.get_text_config().num_hidden_layers
+        names = parameter_names(self.architecture, layers) or _parameter_names(
+            model, processor, self.architecture
+        )
         tensors = {}
         for entry in self.index:
             name, ggml_type, shape = entry[:3]
@@ -134,12 +137,28 @@ class GgufFile:
                     f"{self.path.name}: tensor '{name}' has no place in transformers' "
                     f"{model.config.model_type} model, so it would not be computed"
                 )
+            if isinstance(names[name], tuple):  # fused rows, taken in equal parts
+                tensors.update(self._split(entry, names[name], processor))
+                continue
             rows = _row_order(processor, name, tuple(shape))
             tensors[names[name]] = GgufTensor(
                 name, ggml_type, tuple(shape), self.blocks(entry),
                 rows if rows is not False else None, rows is not False, processor,
             )  # fmt: skip
         return tensors
+
+    def _split(
+        self, entry: list, targets: tuple[str, ...], processor: TensorProcessor
+    ) -> dict[str, GgufTensor]:
+        """A fused matrix's stored rows as `targets`, in turn (dense only)."""
+        name, ggml_type, (rows, columns) = entry[:3]
+        part = rows // len(targets)
+        blocks = self.blocks(entry)
+        parts = [blocks[i * part : (i + 1) * part] for i in range(len(targets))]
+        return {
+            target: GgufTensor(name, ggml_type, (part, columns), rows, None, False, processor)
+            for target, rows in zip(targets, parts, strict=True)
+        }
 
     def drop_pages(self) -> None:
         """Let go of the file's pages this process has touched (the kernel keeps them in
@@ -210,7 +229,7 @@ def _write_metadata(path: Path, staging: Path) -> None:
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from None
     architecture = _field(reader, path, "general.architecture")
     if architecture in ENCODER_ARCHITECTURES:
-        write_encoder_folder(reader, path, staging)
+        write_encoder_folder(reader, path, staging, architecture)
     elif architecture in ARCHITECTURES:
         _write_decoder_folder(reader, path, staging, architecture)
     else:

@@ -1,14 +1,19 @@
-"""A BERT GGUF (llama.cpp's `bert` architecture: all-MiniLM, BGE, mxbai, Snowflake Arctic,
-as Ollama ships them) read as a sentence-transformers folder: its config, WordPiece
-tokenizer and pooling from the metadata, for the pooling engine (`engine/pooling`).
+"""An encoder's GGUF (llama.cpp's `bert` architecture: all-MiniLM, BGE, mxbai, Snowflake
+Arctic; `nomic-bert`: nomic-embed-text; as Ollama ships them) read as a
+sentence-transformers folder: its config, WordPiece tokenizer and pooling from the
+metadata, for the pooling engine (`engine/pooling`).
 
-transformers reads no BERT GGUF, so the folder is written here from llama.cpp's keys:
-`bert.*` for the shape, `bert.pooling_type` for the pooling (mean or CLS, normalized, as
+transformers reads no encoder's GGUF, so the folder is written here from llama.cpp's keys:
+`<arch>.*` for the shape (a `BertModel`, or a `NomicBertModel`: rotary positions, SwiGLU,
+no biases), `<arch>.pooling_type` for the pooling (mean or CLS, normalized, as
 llama-server's `/v1/embeddings` returns them) and the vocabulary, which llama.cpp's
 converter stores with a "phantom space": a word-initial piece as "▁piece", a continuation
 as "piece" (WordPiece's "##piece"), control tokens as they are. Undoing that gives the
 WordPiece vocabulary back token for token. A file that pools otherwise (a reranker's RANK,
 LAST, none) is refused by name.
+
+`parameter_names` names a nomic-bert file's tensors by `NomicBertModel`'s parameters (a
+BERT's are gguf's own name map's): its fused `attn_qkv` rows hold q's, k's and v's in turn.
 """
 
 from __future__ import annotations
@@ -18,12 +23,26 @@ from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader, PoolingType, TokenType
-from transformers import BertConfig, BertTokenizer
+from transformers import BertConfig, BertTokenizer, NomicBertConfig, PretrainedConfig
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 
 # The GGUF architectures written as encoders here.
-ENCODER_ARCHITECTURES = ("bert",)
+ENCODER_ARCHITECTURES = ("bert", "nomic-bert")
+# A nomic-bert file's tensors (in block {bid}) -> NomicBertModel's parameters; a tuple
+# takes the stored rows in equal parts, in order.
+NOMIC_BERT_NAMES: dict[str, str | tuple[str, ...]] = {
+    "token_embd": "embeddings.word_embeddings",
+    "token_types": "embeddings.token_type_embeddings",
+    "token_embd_norm": "embeddings.LayerNorm",
+    "blk.{bid}.attn_qkv": tuple(f"layers.{{bid}}.self_attn.{x}_proj" for x in "qkv"),
+    "blk.{bid}.attn_output": "layers.{bid}.self_attn.o_proj",
+    "blk.{bid}.attn_output_norm": "layers.{bid}.post_attention_layernorm",
+    "blk.{bid}.ffn_up": "layers.{bid}.mlp.up_proj",
+    "blk.{bid}.ffn_gate": "layers.{bid}.mlp.gate_proj",
+    "blk.{bid}.ffn_down": "layers.{bid}.mlp.down_proj",
+    "blk.{bid}.layer_output_norm": "layers.{bid}.post_mlp_layernorm",
+}
 # `bert.pooling_type` -> sentence-transformers' pooling mode.
 POOLING = {PoolingType.MEAN: "mean", PoolingType.CLS: "cls"}
 PHANTOM_SPACE = "\u2581"
@@ -34,32 +53,21 @@ SPECIAL_TOKENS = {
 }  # fmt: skip
 
 
-def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path) -> None:
-    """Write the BERT GGUF's config, tokenizer, `modules.json` (Transformer, Pooling,
+def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
+    """Write the encoder GGUF's config, tokenizer, `modules.json` (Transformer, Pooling,
     Normalize) and window into `staging`."""
     field = _fields(reader, path)
-    pooling = PoolingType(field("bert.pooling_type", PoolingType.CLS.value))
+    pooling = PoolingType(field(f"{architecture}.pooling_type", PoolingType.CLS.value))
     if pooling not in POOLING:
         raise UnsupportedModelError(
-            f"{path.name}: pooling {pooling.name} is not served for a BERT GGUF (MEAN or CLS)"
+            f"{path.name}: pooling {pooling.name} is not served for an encoder's GGUF (MEAN or CLS)"
         )
     tokens = field("tokenizer.ggml.tokens")
     types = field("tokenizer.ggml.token_type")
     if field("tokenizer.ggml.model") != "bert" or len(tokens) != len(types):
         raise UnsupportedModelError(f"{path.name}: its tokenizer is not BERT's WordPiece")
-    window = int(field("bert.context_length"))
-    BertConfig(
-        architectures=["BertModel"],
-        vocab_size=len(tokens),
-        hidden_size=int(field("bert.embedding_length")),
-        num_hidden_layers=int(field("bert.block_count")),
-        num_attention_heads=int(field("bert.attention.head_count")),
-        intermediate_size=int(field("bert.feed_forward_length")),
-        max_position_embeddings=window,
-        type_vocab_size=int(field("tokenizer.ggml.token_type_count", 2)),
-        layer_norm_eps=float(field("bert.attention.layer_norm_epsilon")),
-        pad_token_id=int(field("tokenizer.ggml.padding_token_id", 0)),
-    ).save_pretrained(staging)
+    window = int(field(f"{architecture}.context_length"))
+    _config(reader, field, architecture, window).save_pretrained(staging)
     vocab = [_wordpiece(token, kind) for token, kind in zip(tokens, types, strict=True)]
     if len(set(vocab)) != len(vocab):
         raise UnsupportedModelError(f"{path.name}: its vocabulary repeats a WordPiece token")
@@ -83,6 +91,43 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path) -> None:
             for i, (kind, where) in enumerate(modules)
         ],
     )
+
+
+def _config(reader: GGUFReader, field, architecture: str, window: int) -> PretrainedConfig:
+    """A `BertConfig` or `NomicBertConfig` of the file's shape; the vocabulary is the token
+    embedding's rows (nomic-embed-text's are padded past the tokenizer's)."""
+    vocab = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]
+    shape = {
+        "vocab_size": int(vocab),
+        "hidden_size": int(field(f"{architecture}.embedding_length")),
+        "num_hidden_layers": int(field(f"{architecture}.block_count")),
+        "num_attention_heads": int(field(f"{architecture}.attention.head_count")),
+        "intermediate_size": int(field(f"{architecture}.feed_forward_length")),
+        "max_position_embeddings": window,
+        "type_vocab_size": int(field("tokenizer.ggml.token_type_count", 2)),
+        "layer_norm_eps": float(field(f"{architecture}.attention.layer_norm_epsilon")),
+        "pad_token_id": int(field("tokenizer.ggml.padding_token_id", 0)),
+    }
+    if architecture == "bert":
+        return BertConfig(architectures=["BertModel"], **shape)
+    rope = {"rope_type": "default", "rope_theta": float(field(f"{architecture}.rope.freq_base"))}
+    return NomicBertConfig(architectures=["NomicBertModel"], rope_parameters=rope, **shape)
+
+
+def parameter_names(architecture: str, layers: int) -> dict[str, str | tuple[str, ...]] | None:
+    """A nomic-bert file's tensor names -> NomicBertModel's parameter names (a tuple: the
+    rows in equal parts); None for another architecture (gguf's own name map names it)."""
+    if architecture != "nomic-bert":
+        return None
+    names: dict[str, str | tuple[str, ...]] = {}
+    for stored, target in NOMIC_BERT_NAMES.items():
+        for bid in range(layers) if "{bid}" in stored else (0,):
+            for suffix in ("weight", "bias"):
+                parts = (target,) if isinstance(target, str) else target
+                named = tuple(f"{part.format(bid=bid)}.{suffix}" for part in parts)
+                fused = not isinstance(target, str)
+                names[f"{stored.format(bid=bid)}.{suffix}"] = named if fused else named[0]
+    return names
 
 
 def _wordpiece(token: str, kind: int) -> str:

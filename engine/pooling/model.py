@@ -1,5 +1,5 @@
 """A pooling model's forward. An encoder of the BERT family (`PACKED_ENCODERS`), ModernBERT
-(`PACKED_FORWARD_ENCODERS`) and the decoders of the Llama and Gemma families
+and NomicBERT (`PACKED_FORWARD_ENCODERS`) and the decoders of the Llama and Gemma families
 (`PACKED_DECODERS`: an embedder in Qwen3-Embedding's layout, a decoder reranker) run on
 packed rows: the texts of a batch side by side, then padding rows up to the row count the
 packed linears compute with, each text's attention over its own tokens only (`_layer` for
@@ -43,7 +43,7 @@ PACKED_ENCODERS = ("bert", "roberta", "xlm-roberta")
 # The decoders and encoders whose own forward runs on packed rows, attending text by text
 # (gemma2 caps its attention logits; gemma3's layers may attend both ways).
 PACKED_DECODERS = ("gemma", "gemma2", "gemma3_text", "llama", "mistral", "phi3", "qwen2", "qwen3")
-PACKED_FORWARD_ENCODERS = ("modernbert",)
+PACKED_FORWARD_ENCODERS = ("modernbert", "nomic_bert")
 
 
 @dataclass(frozen=True)

@@ -13,11 +13,11 @@ reranker where `hf_overrides` make it a `*ForSequenceClassification` with
 any encoder or `DECODER_TYPES` folder an embedder pooling as it says, over what the folder
 says: a chat model's folder too.
 A plain transformers folder is a pooling model by its architecture: an encoder
-(`BertModel`, `RobertaModel`, `XLMRobertaModel`, `ModernBertModel`) embeds with CLS
-pooling, normalized, as
-vLLM's default pooler does; a `*ForSequenceClassification` encoder scores text pairs with
-its classifier (a cross-encoder). Anything else the folder asks for (another pooling
-mode or module, a Dense activation outside `DENSE_ACTIVATIONS`) is refused by name.
+(`BertModel`, `RobertaModel`, `XLMRobertaModel`, `ModernBertModel`, `NomicBertModel`) embeds
+with CLS pooling, normalized, as vLLM's default pooler does; a `*ForSequenceClassification`
+encoder scores text pairs with its classifier (a cross-encoder). Anything else the folder
+asks for (another pooling mode or module, a Dense activation outside `DENSE_ACTIVATIONS`)
+is refused by name.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Literal
 from engine.config import ConfigError
 from engine.errors import ModelLoadError
 
-ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert")
+ENCODER_TYPES = ("bert", "roberta", "xlm-roberta", "modernbert", "nomic_bert")
 # Decoders served as embedders from a sentence-transformers folder (Qwen3-Embedding's
 # layout: last-token pooling, normalized), causal (`model.PACKED_DECODERS` run packed).
 DECODER_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3")

@@ -25,7 +25,7 @@ from gguf import (
 )
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import AutoTokenizer, BertConfig, BertModel
+from transformers import AutoTokenizer, BertConfig, BertModel, NomicBertModel
 
 from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
@@ -194,9 +194,63 @@ def write_bert_gguf(
     `ggml_type` (F32, F16 or a block type, quantized by gguf's own code) but for the
     position and token-type embeddings, in F32 as there."""
     config = BertConfig.from_pretrained(folder)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
-    writer = GGUFWriter(path, "bert")
-    writer.add_name(folder.name)
+    writer = _encoder_writer(config, AutoTokenizer.from_pretrained(folder), path, "bert", pooling)
+    names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
+    for hf_name, value in BertModel.from_pretrained(folder).state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base)
+        if name is None:  # the pooler, which llama.cpp's converter drops
+            continue
+        kind = "F32" if name in ("position_embd", "token_types") else ggml_type
+        _add_tensor(writer, f"{name}.{suffix}", value.numpy(), kind)
+    return _close(writer, path)
+
+
+# NomicBertModel's modules -> llama.cpp's nomic-bert tensors (beside the fused attn_qkv),
+# as its converter names nomic-embed-text's (mlp.fc11: up, mlp.fc12: the SiLU gate).
+NOMIC_BERT_TENSORS = {
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "embeddings.LayerNorm": "token_embd_norm",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "attn_output_norm",
+    "mlp.up_proj": "ffn_up",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.down_proj": "ffn_down",
+    "post_mlp_layernorm": "layer_output_norm",
+}
+
+
+def write_nomic_bert_gguf(
+    model: NomicBertModel, tokenizer_folder: Path, path: Path, ggml_type: str = "F32"
+) -> Path:
+    """`model` as llama.cpp's converter writes nomic-embed-text (`nomic-bert`: mean
+    pooling, q, k and v fused into `attn_qkv`), with the WordPiece tokenizer of
+    `tokenizer_folder`."""
+    config = model.config
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder)
+    writer = _encoder_writer(config, tokenizer, path, "nomic-bert", PoolingType.MEAN)
+    writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
+    weights = {name: value.numpy() for name, value in model.state_dict().items()}
+    for i in range(config.num_hidden_layers):
+        fused = [weights.pop(f"layers.{i}.self_attn.{x}_proj.weight") for x in "qkv"]
+        _add_tensor(writer, f"blk.{i}.attn_qkv.weight", np.concatenate(fused), ggml_type)
+    for hf_name, value in weights.items():
+        base, _, suffix = hf_name.rpartition(".")
+        if base.startswith("layers."):
+            _, layer, module = base.split(".", 2)
+            name = f"blk.{layer}.{NOMIC_BERT_TENSORS[module]}"
+        else:
+            name = NOMIC_BERT_TENSORS[base]
+        kind = "F32" if name == "token_types" else ggml_type
+        _add_tensor(writer, f"{name}.{suffix}", value, kind)
+    return _close(writer, path)
+
+
+def _encoder_writer(config, tokenizer, path: Path, arch: str, pooling: PoolingType) -> GGUFWriter:
+    """A writer holding an encoder's metadata and WordPiece vocabulary, as the converter's."""
+    writer = GGUFWriter(path, arch)
+    writer.add_name(path.stem)
     writer.add_context_length(config.max_position_embeddings)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
@@ -222,20 +276,21 @@ def write_bert_gguf(
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_mask_token_id(tokenizer.mask_token_id)
     writer.add_bool("tokenizer.ggml.normalizer.lowercase", tokenizer.do_lower_case)
-    names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
-    for hf_name, value in BertModel.from_pretrained(folder).state_dict().items():
-        base, _, suffix = hf_name.rpartition(".")
-        name = names.get_name(base)
-        if name is None:  # the pooler, which llama.cpp's converter drops
-            continue
-        data = value.numpy()
-        if data.ndim == 1 or ggml_type == "F32" or name in ("position_embd", "token_types"):
-            writer.add_tensor(f"{name}.{suffix}", data)
-        elif ggml_type == "F16":
-            writer.add_tensor(f"{name}.{suffix}", data.astype(np.float16))
-        else:
-            kind = GGMLQuantizationType[ggml_type]
-            writer.add_tensor(f"{name}.{suffix}", quantize(data, kind), raw_dtype=kind)
+    return writer
+
+
+def _add_tensor(writer: GGUFWriter, name: str, data: np.ndarray, ggml_type: str) -> None:
+    """A vector in F32; a matrix in `ggml_type`."""
+    if data.ndim == 1 or ggml_type == "F32":
+        writer.add_tensor(name, data.astype(np.float32))
+    elif ggml_type == "F16":
+        writer.add_tensor(name, data.astype(np.float16))
+    else:
+        kind = GGMLQuantizationType[ggml_type]
+        writer.add_tensor(name, quantize(data, kind), raw_dtype=kind)
+
+
+def _close(writer: GGUFWriter, path: Path) -> Path:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -1,6 +1,7 @@
 """Embedders from GGUF files: all-MiniLM-L6-v2 written as llama.cpp's converter writes a BERT
-(F32: the folder's embeddings bit for bit; Q8_0: near them), a decoder's file made an
-embedder by a pooler config, and the BERT files that pool otherwise refused by name."""
+(F32: the folder's embeddings bit for bit; Q8_0: near them), a random nomic-bert (as
+transformers' NomicBertModel computes it), a decoder's file made an embedder by a pooler
+config, and the BERT files that pool otherwise refused by name."""
 
 from __future__ import annotations
 
@@ -12,12 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import PoolingType
-from transformers import AutoModel
+from transformers import AutoModel, NomicBertConfig, NomicBertModel
 
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
 from engine.pooling.async_pooler import AsyncPooler, pooling_model
-from tests.support.gguf_files import write_bert_gguf, write_gguf
+from tests.support.gguf_files import write_bert_gguf, write_gguf, write_nomic_bert_gguf
 
 # Cased, accented, CJK and punctuated text: the GGUF's vocabulary and lowercasing must
 # give the folder's tokenizer's ids.
@@ -80,3 +81,40 @@ def test_a_decoders_gguf_embeds_as_its_pooler_config_says(tmp_path: Path, cache:
         for text, vector in zip(texts, got, strict=True):
             state = model(input_ids=torch.tensor([text.token_ids])).last_hidden_state[0, -1]
             assert torch.allclose(vector, F.normalize(state, dim=0), atol=1e-5)
+
+
+def test_a_nomic_bert_gguf_embeds_as_transformers_nomic_bert(
+    minilm: Path, tmp_path: Path, cache: Path
+):
+    """nomic-embed-text's layout (rotary positions, SwiGLU, q, k and v fused in one tensor),
+    random weights: the mean of NomicBertModel's states, normalized, to 1e-5; its texts
+    packed, so a text's embedding has the same bits alone."""
+    torch.manual_seed(0)
+    config = NomicBertConfig(
+        vocab_size=30522, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=256,
+    )  # fmt: skip
+    model = NomicBertModel(config).eval()
+    path = write_nomic_bert_gguf(model, minilm, tmp_path / "nomic.gguf", "F16")
+    config_ = EngineConfig(model=str(path))
+    pooler = AsyncPooler(config_, pooling_model(config_))  # type: ignore[arg-type]
+    try:
+        texts = pooler.encode(TEXTS, None)
+        got = torch.stack(asyncio.run(pooler.run(texts)))
+        alone = asyncio.run(pooler.run(texts[1:2]))[0]
+    finally:
+        asyncio.run(pooler.shutdown())
+    assert torch.equal(alone, got[1])
+    f16 = NomicBertModel(config).eval()  # the weights as the file holds them
+    f16.load_state_dict(
+        {k: v.half().float() if v.dim() == 2 and "token_type" not in k else v
+         for k, v in model.state_dict().items()}
+    )  # fmt: skip
+    with torch.inference_mode():
+        want = [
+            F.normalize(
+                f16(input_ids=torch.tensor([t.token_ids])).last_hidden_state[0].mean(0), dim=0
+            )
+            for t in texts
+        ]
+    assert torch.allclose(got, torch.stack(want), atol=1e-5)
