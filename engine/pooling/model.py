@@ -180,11 +180,23 @@ class PoolingModel:
             return self._modernbert_logits(texts)
         if not self.packed_encoder:  # the model's own head, over each text alone
             return [
-                self.model(input_ids=torch.tensor([text.token_ids])).logits[0].float()
+                self.model(input_ids=torch.tensor([text.token_ids]), **self._alone(text))
+                .logits[0]
+                .float()
                 for text in texts
             ]
         firsts = torch.stack([states[:1] for states in self.hidden_states(texts)])
         return list(self.model.classifier(_head_input(self.model, firsts)).float())
+
+    def _alone(self, text: Text) -> dict[str, Any]:
+        """What a forward of one text takes beside its ids: a pair's segments, and its row
+        count where the model attends text by text."""
+        extra: dict[str, Any] = {}
+        if text.token_type_ids is not None:
+            extra["token_type_ids"] = torch.tensor([text.token_type_ids])
+        if self.packed_forward:
+            extra["text_lengths"] = [len(text.token_ids)]
+        return extra
 
     def _modernbert_logits(self, texts: list[Text]) -> list[torch.Tensor]:
         """ModernBertForSequenceClassification's logits: each text's first state or mean

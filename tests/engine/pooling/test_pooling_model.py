@@ -23,6 +23,8 @@ from transformers import (
     MistralConfig,
     ModernBertConfig,
     ModernBertForSequenceClassification,
+    NomicBertConfig,
+    NomicBertForSequenceClassification,
     Phi3Config,
     Qwen2Config,
     Qwen3Config,
@@ -156,6 +158,32 @@ def test_packed_modernbert_embeds_and_classifies_as_its_own_forward(tmp_path: Pa
         assert torch.allclose(logit, want, atol=1e-5)
         assert torch.equal(embedder.embed([text])[0], vector)
         assert torch.equal(classifier.classify([text])[0], logit)
+
+
+def test_packed_nomic_bert_embeds_and_scores_pairs_as_its_own_forward(tmp_path: Path):
+    """NomicBERT (rotary positions, SwiGLU) packed: each text's mean embedding equals its
+    own forward's, with the same bits alone; a cross-encoder's logits for text pairs (their
+    segments given) equal transformers' own."""
+    torch.manual_seed(0)
+    config = NomicBertConfig(**SHAPE, num_labels=1)
+    NomicBertForSequenceClassification(config).save_pretrained(tmp_path)
+    assert config.model_type in PACKED_FORWARD_ENCODERS
+    reference = NomicBertForSequenceClassification.from_pretrained(tmp_path).eval()
+    embedder = PoolingModel(tmp_path, PoolingSpec(task="embed", pooling="mean"), torch.float32)
+    classifier = PoolingModel(tmp_path, PoolingSpec(task="classify"), torch.float32)
+    texts = [Text(torch.randint(3, 300, (n,)).tolist()) for n in (3, 17, 40, 9)]
+    halves = [(len(t.token_ids) // 2, len(t.token_ids) - len(t.token_ids) // 2) for t in texts]
+    pairs = [Text(t.token_ids, [0] * a + [1] * b) for t, (a, b) in zip(texts, halves, strict=True)]
+    vectors, logits = embedder.embed(texts), classifier.classify(pairs)
+    for text, pair, vector, logit in zip(texts, pairs, vectors, logits, strict=True):
+        ids = torch.tensor([text.token_ids])
+        with torch.no_grad():
+            states = reference.nomic_bert(input_ids=ids).last_hidden_state[0]
+            types = torch.tensor([pair.token_type_ids])
+            want = reference(input_ids=ids, token_type_ids=types).logits[0]
+        assert torch.allclose(vector, F.normalize(states.mean(dim=0), dim=0), atol=1e-5)
+        assert torch.allclose(logit, want, atol=1e-5)
+        assert torch.equal(embedder.embed([text])[0], vector)
 
 
 def test_a_dense_module_that_does_not_fit_the_pooled_vector_is_refused_by_name(tmp_path: Path):
