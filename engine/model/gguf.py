@@ -154,10 +154,17 @@ class GgufFile:
         name, ggml_type, (rows, columns) = entry[:3]
         part = rows // len(targets)
         blocks = self.blocks(entry)
-        parts = [blocks[i * part : (i + 1) * part] for i in range(len(targets))]
         return {
-            target: GgufTensor(name, ggml_type, (part, columns), rows, None, False, processor)
-            for target, rows in zip(targets, parts, strict=True)
+            target: GgufTensor(
+                name,
+                ggml_type,
+                (part, columns),
+                blocks[i * part : (i + 1) * part],
+                None,
+                False,
+                processor,
+            )
+            for i, target in enumerate(targets)
         }
 
     def drop_pages(self) -> None:

@@ -67,7 +67,7 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
     if field("tokenizer.ggml.model") != "bert" or len(tokens) != len(types):
         raise UnsupportedModelError(f"{path.name}: its tokenizer is not BERT's WordPiece")
     window = int(field(f"{architecture}.context_length"))
-    _config(reader, field, architecture, window).save_pretrained(staging)
+    _config(reader, path, field, architecture, window).save_pretrained(staging)
     vocab = [_wordpiece(token, kind) for token, kind in zip(tokens, types, strict=True)]
     if len(set(vocab)) != len(vocab):
         raise UnsupportedModelError(f"{path.name}: its vocabulary repeats a WordPiece token")
@@ -93,12 +93,16 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
     )
 
 
-def _config(reader: GGUFReader, field, architecture: str, window: int) -> PretrainedConfig:
-    """A `BertConfig` or `NomicBertConfig` of the file's shape; the vocabulary is the token
-    embedding's rows (nomic-embed-text's are padded past the tokenizer's)."""
-    vocab = next(t for t in reader.tensors if t.name == "token_embd.weight").shape[-1]
+def _config(
+    reader: GGUFReader, path: Path, field, architecture: str, window: int
+) -> PretrainedConfig:
+    """A `BertConfig` or `NomicBertConfig` of the file's shape, its vocabulary the token
+    embedding's rows."""
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is None:
+        raise ModelLoadError(f"{path.name} lacks the tensor 'token_embd.weight'")
     shape = {
-        "vocab_size": int(vocab),
+        "vocab_size": int(embedding.shape[-1]),
         "hidden_size": int(field(f"{architecture}.embedding_length")),
         "num_hidden_layers": int(field(f"{architecture}.block_count")),
         "num_attention_heads": int(field(f"{architecture}.attention.head_count")),
