@@ -5,9 +5,11 @@ The metadata is read once per file (gguf's `GGUFReader`; parsing a 128,256-token
 vocabulary's fields and converting it into a tokenizer takes seconds) into a folder under
 `$PAGEDSERVE_CACHE/gguf` (`metadata_folder`): the config and tokenizer transformers' own
 GGUF mapping makes, plus what that mapping leaves out (Llama 3's rotary frequency factors,
-`rope_freqs.weight`, applied to the model's `inv_freq`; a linear rope scaling) and an
-index of the tensors (name, type, shape, offset). An architecture pagedserve does not
-serve (`ARCHITECTURES`) is refused there, naming it, before any weight is read. Later
+`rope_freqs.weight`, applied to the model's `inv_freq`; a linear rope scaling; an
+embedder's pooling) and an index of the tensors (name, type, shape, offset); an encoder's
+file is written as a sentence-transformers folder (`gguf_encoder.py`). An architecture
+pagedserve does not serve (`ARCHITECTURES`, `ENCODER_ARCHITECTURES`) is refused there,
+naming it, before any weight is read. Later
 starts read that folder; `GgufFile` maps the file (a numpy memory map) and finds each
 tensor by the index.
 
@@ -46,7 +48,12 @@ from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorPr
 from engine.config import cache_root
 from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.first_use import build_once
-from engine.model.gguf_encoder import ENCODER_ARCHITECTURES, parameter_names, write_encoder_folder
+from engine.model.gguf_encoder import (
+    ENCODER_ARCHITECTURES,
+    parameter_names,
+    write_decoder_pooling,
+    write_encoder_folder,
+)
 
 # GGUF architecture names (`general.architecture`) pagedserve serves, each exactly: its
 # transformers config and model compute what llama.cpp computes for it. Mistral's models
@@ -57,7 +64,7 @@ ROPE_FREQS = "rope_freqs.weight"
 # Written last into a metadata folder: the file's architecture, tensor index and factors;
 # a folder of another `FORMAT` (an older pagedserve's) is made again.
 SOURCE_FILE = "pagedserve_gguf.json"
-FORMAT = "pagedserve-gguf-metadata-1"
+FORMAT = "pagedserve-gguf-metadata-2"
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -257,7 +264,8 @@ def _write_metadata(path: Path, staging: Path) -> None:
 
 def _write_decoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
     """The config and tokenizer transformers' GGUF mapping makes of a decoder's file, with
-    what that mapping leaves out (a linear rope scaling, Mistral's full attention)."""
+    what that mapping leaves out (a linear rope scaling, Mistral's full attention), and the
+    pooling an embedder's file names."""
     scaling = _field(reader, path, f"{architecture}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(
@@ -271,6 +279,7 @@ def _write_decoder_folder(reader: GGUFReader, path: Path, staging: Path, archite
         config.sliding_window = None
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
+    write_decoder_pooling(reader, architecture, staging)
 
 
 def _field(reader: GGUFReader, path: Path, key: str, default: object = None) -> object:

@@ -43,8 +43,9 @@ NOMIC_BERT_NAMES: dict[str, str | tuple[str, ...]] = {
     "blk.{bid}.ffn_down": "layers.{bid}.mlp.down_proj",
     "blk.{bid}.layer_output_norm": "layers.{bid}.post_mlp_layernorm",
 }
-# `bert.pooling_type` -> sentence-transformers' pooling mode.
+# `<arch>.pooling_type` -> sentence-transformers' pooling mode, for an encoder and a decoder.
 POOLING = {PoolingType.MEAN: "mean", PoolingType.CLS: "cls"}
+DECODER_POOLING = {PoolingType.MEAN: "mean", PoolingType.LAST: "lasttoken"}
 PHANTOM_SPACE = "\u2581"
 ST_MODULES = "sentence_transformers.models"
 # BertTokenizer's special tokens, by the GGUF key of each one's id (llama.cpp's spelling).
@@ -81,8 +82,25 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
         model_max_length=window,
         **special,
     ).save_pretrained(staging)
-    _write_json(staging / "1_Pooling" / "config.json", {"pooling_mode": POOLING[pooling]})
     _write_json(staging / "sentence_bert_config.json", {"max_seq_length": window})
+    write_pooling_modules(staging, POOLING[pooling])
+
+
+def write_decoder_pooling(reader: GGUFReader, architecture: str, staging: Path) -> None:
+    """Where a decoder's file names its pooling (`<arch>.pooling_type`, which llama.cpp's
+    converter writes from a sentence-transformers folder: Qwen3-Embedding's LAST), write
+    its modules, so that it embeds as that folder did; a file that names none (a chat
+    model's), or RANK (a reranker's), stays a model to generate with."""
+    entry = reader.fields.get(f"{architecture}.pooling_type")
+    mode = None if entry is None else DECODER_POOLING.get(PoolingType(entry.contents()))
+    if mode is not None:
+        write_pooling_modules(staging, mode)
+
+
+def write_pooling_modules(staging: Path, mode: str) -> None:
+    """A sentence-transformers `modules.json` (the folder's transformer, Pooling by `mode`,
+    Normalize) and its Pooling config."""
+    _write_json(staging / "1_Pooling" / "config.json", {"pooling_mode": mode})
     modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
     _write_json(
         staging / "modules.json",

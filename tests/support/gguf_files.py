@@ -87,11 +87,13 @@ def write_gguf(
     tied: bool = False,
     types: dict[str, str] | None = None,
     extra_tensors: dict[str, np.ndarray] | None = None,
+    pooling: PoolingType | None = None,
     seed: int = 0,
 ) -> Path:
     """A tiny `architecture` model ('llama', 'qwen2' or 'qwen3') whose linears and token
     embedding are `ggml_type` (`types` overrides it by GGUF tensor name, e.g.
-    {"output.weight": "Q6_K"}); no `output.weight` where `tied`."""
+    {"output.weight": "Q6_K"}); no `output.weight` where `tied`; `pooling` written as an
+    embedder's file names it."""
     rng = np.random.default_rng(seed)
     tokenizer = build_tokenizer(path.parent / f"{path.stem}-tokenizer")
     vocab = len(tokenizer)
@@ -112,6 +114,8 @@ def write_gguf(
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     _add_tokenizer(writer, tokenizer)
+    if pooling is not None:  # as the converter writes an embedder's (Qwen3-Embedding's LAST)
+        writer.add_pooling_type(pooling)
     shapes = _tensor_shapes(
         architecture, hidden, intermediate, layers, head_dim, heads, kv_heads, vocab, tied
     )

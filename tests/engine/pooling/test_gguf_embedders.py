@@ -64,12 +64,21 @@ def test_a_bert_gguf_that_pools_otherwise_is_refused_by_name(
         pooling_model(EngineConfig(model=str(path)))
 
 
-def test_a_decoders_gguf_embeds_as_its_pooler_config_says(tmp_path: Path, cache: Path):
-    """A chat model's file is a model to generate with; a pooler config (LAST) makes it an
-    embedder of its last token's state, as transformers computes it from the same file."""
-    path = write_gguf(tmp_path / "chat.gguf", "Q8_0")
-    assert pooling_model(EngineConfig(model=str(path))) is None
-    config = EngineConfig(model=str(path), pooler_config={"pooling_type": "LAST"})
+@pytest.mark.parametrize("named", [False, True])
+def test_a_decoders_gguf_embeds_as_its_pooler_config_or_its_file_says(
+    tmp_path: Path, cache: Path, named: bool
+):
+    """A chat model's file (and a reranker's, RANK) is a model to generate with; a pooler
+    config (LAST), or the pooling the file names (as the converter writes
+    Qwen3-Embedding's), makes it an embedder of its last token's state, normalized, as
+    transformers computes it from the same file."""
+    for kept in (None, PoolingType.RANK):
+        kept_path = write_gguf(tmp_path / f"chat-{kept}.gguf", "Q8_0", pooling=kept)
+        assert pooling_model(EngineConfig(model=str(kept_path))) is None
+    pooling = PoolingType.LAST if named else None
+    path = write_gguf(tmp_path / "embed.gguf", "Q8_0", pooling=pooling)
+    pooler_config = None if named else {"pooling_type": "LAST"}
+    config = EngineConfig(model=str(path), pooler_config=pooler_config)
     pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
     try:
         texts = pooler.encode(["hello there", "a b c d e f"], None)
