@@ -37,7 +37,6 @@ from gguf import (
     MODEL_ARCH_NAMES,
     GGMLQuantizationType,
     GGUFReader,
-    GGUFValueType,
     get_tensor_name_map,
 )
 from gguf.constants import GGML_QUANT_SIZES
@@ -50,6 +49,7 @@ from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.first_use import build_once
 from engine.model.gguf_encoder import (
     ENCODER_ARCHITECTURES,
+    metadata_field,
     parameter_names,
     write_decoder_pooling,
     write_encoder_folder,
@@ -241,7 +241,7 @@ def _write_metadata(path: Path, staging: Path) -> None:
         reader = GGUFReader(path)
     except Exception as exc:  # gguf raises many kinds for a damaged or foreign file
         raise ModelLoadError(f"{path.name} is not a readable GGUF file: {exc}") from None
-    architecture = _field(reader, path, "general.architecture")
+    architecture = metadata_field(reader, path, "general.architecture")
     if architecture in ENCODER_ARCHITECTURES:
         write_encoder_folder(reader, path, staging, architecture)
     elif architecture in ARCHITECTURES:
@@ -266,33 +266,20 @@ def _write_decoder_folder(reader: GGUFReader, path: Path, staging: Path, archite
     """The config and tokenizer transformers' GGUF mapping makes of a decoder's file, with
     what that mapping leaves out (a linear rope scaling, Mistral's full attention), and the
     pooling an embedder's file names."""
-    scaling = _field(reader, path, f"{architecture}.rope.scaling.type", "none")
+    scaling = metadata_field(reader, path, f"{architecture}.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise UnsupportedModelError(
             f"{path.name}: rope scaling '{scaling}' is not read from GGUF metadata"
         )
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
     if scaling == "linear":
-        factor = float(_field(reader, path, f"{architecture}.rope.scaling.factor"))
+        factor = float(metadata_field(reader, path, f"{architecture}.rope.scaling.factor"))
         config.rope_parameters = {**config.rope_parameters, "rope_type": "linear", "factor": factor}
     if config.model_type == "mistral":  # llama.cpp attends in full: no window in the file
         config.sliding_window = None
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
     write_decoder_pooling(reader, architecture, staging)
-
-
-def _field(reader: GGUFReader, path: Path, key: str, default: object = None) -> object:
-    """A metadata value (a string, a number), or `default` if the file lacks it."""
-    field = reader.fields.get(key)
-    if field is None:
-        if default is None:
-            raise ModelLoadError(f"{path.name} lacks the GGUF metadata '{key}'")
-        return default
-    value = field.parts[field.data[0]]
-    if field.types and field.types[0] == GGUFValueType.STRING:
-        return bytes(value).decode()
-    return value.tolist()[0]
 
 
 def _entry(tensor) -> list:

@@ -19,6 +19,7 @@ BERT's are gguf's own name map's): its fused `attn_qkv` rows hold q's, k's and v
 from __future__ import annotations
 
 import json
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +58,7 @@ SPECIAL_TOKENS = {
 def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
     """Write the encoder GGUF's config, tokenizer, `modules.json` (Transformer, Pooling,
     Normalize) and window into `staging`."""
-    field = _fields(reader, path)
+    field = partial(metadata_field, reader, path)
     pooling = PoolingType(field(f"{architecture}.pooling_type", PoolingType.CLS.value))
     if pooling not in POOLING:
         raise UnsupportedModelError(
@@ -158,19 +159,15 @@ def _wordpiece(token: str, kind: int) -> str:
     return token[1:] if token.startswith(PHANTOM_SPACE) else f"##{token}"
 
 
-def _fields(reader: GGUFReader, path: Path):
-    """A reader of the metadata's values (strings, numbers, lists of them), raising
-    ModelLoadError for a key missing without a default."""
-
-    def field(key: str, default: Any = None) -> Any:
-        entry = reader.fields.get(key)
-        if entry is None:
-            if default is None:
-                raise ModelLoadError(f"{path.name} lacks the GGUF metadata '{key}'")
-            return default
-        return entry.contents()
-
-    return field
+def metadata_field(reader: GGUFReader, path: Path, key: str, default: Any = None) -> Any:
+    """A metadata value (a string, a number, a list of them), or `default` where the file
+    lacks it; ModelLoadError where it lacks one with no default."""
+    entry = reader.fields.get(key)
+    if entry is None:
+        if default is None:
+            raise ModelLoadError(f"{path.name} lacks the GGUF metadata '{key}'")
+        return default
+    return entry.contents()
 
 
 def _write_json(path: Path, value: object) -> None:

@@ -134,11 +134,7 @@ def write_gguf(
         writer.add_tensor(name, data, raw_dtype=raw)
     for name, values in (extra_tensors or {}).items():
         writer.add_tensor(name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return _close(writer, path)
 
 
 def _tensor_shapes(
