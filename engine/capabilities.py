@@ -103,6 +103,42 @@ def quantization_unavailable(device: torch.device, dtype: torch.dtype, mode: str
     return quantized_linear.unavailable_reason(device, dtype, mode)
 
 
+def quantization_mode(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """The quantization mode a model of `config` runs in `dtype` on `device`: the setting,
+    or with 'auto' the one the checkpoint ships in ("gguf": a GGUF's own types) where the
+    kernel can run it here (else "none", with a warning). Raises `ConfigError` naming the
+    setting where an explicit mode cannot run here, or 'gguf' is asked of a model that is
+    not a quantized GGUF."""
+    from engine.model.loader import checkpoint_quantization
+
+    asked = config.quantization
+    if asked not in ("auto", "none"):
+        reason = quantization_unavailable(device, dtype, asked)
+        if reason is not None:
+            raise ConfigError(
+                f"quantization '{asked}' cannot run in this engine ({dtype} on {device}): {reason}"
+            )
+    checkpoint = checkpoint_quantization(config.model)
+    if asked == "gguf" and checkpoint != "gguf":
+        raise ConfigError(
+            f"quantization 'gguf' serves a GGUF file's own quantized types, and model "
+            f"'{config.model}' is not such a file"
+        )
+    if asked != "auto":
+        return asked
+    if checkpoint != "none":
+        reason = quantization_unavailable(device, dtype, checkpoint)
+        if reason is not None:
+            logger.warning(
+                "the checkpoint's tensors are quantized, but the kernel cannot run here "
+                "(%s): serving them dequantized to %s",
+                reason, dtype,
+            )  # fmt: skip
+            return "none"
+        logger.info("quantization gguf: the checkpoint's own types (quantization: auto)")
+    return checkpoint
+
+
 def quantize(
     model: PreTrainedModel,
     mode: str,
@@ -119,12 +155,13 @@ def quantize(
     quantized_linear.quantize_linear_layers(model, mode, rows, folder)
 
 
-def gguf_install(dtype: torch.dtype) -> Install:
+def gguf_install(dtype: torch.dtype, every_row_count: bool = False) -> Install:
     """What puts a GGUF's weights into a model in their own GGML types (the quantized
-    kernel's layers), for `load_model`; `quantization_unavailable` allowed "gguf"."""
+    kernel's layers), for `load_model`; `quantization_unavailable` allowed "gguf".
+    `every_row_count` as for `quantize`."""
     from engine.linears import gguf_store, quantized_linear
 
-    rows = quantized_linear.max_kernel_rows(dtype)
+    rows = None if every_row_count else quantized_linear.max_kernel_rows(dtype)
     return lambda model, path: gguf_store.install(model, path, dtype, rows)
 
 

@@ -38,7 +38,7 @@ from engine.model.attention import bind_attention
 from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
-from engine.model.loader import checkpoint_quantization, load_model
+from engine.model.loader import load_model
 from engine.model.runner import ModelRunner
 from engine.model.support import probe_attention
 from engine.request.intake import RequestProcessor
@@ -96,16 +96,7 @@ class EngineBuilder:
     def _load_model(self, config: EngineConfig) -> str:
         """Load the model in the quantization it runs in, bind the chosen attention backend
         and pack its linears; return the folder or file it was loaded from."""
-        if config.quantization not in ("auto", "none"):
-            reason = capabilities.quantization_unavailable(
-                self.device, self.dtype, config.quantization
-            )
-            if reason is not None:
-                raise ConfigError(
-                    f"quantization '{config.quantization}' cannot run in this engine "
-                    f"({self.dtype} on {self.device}): {reason}"
-                )
-        self.quantization = mode = self._quantization(config, checkpoint_quantization(config.model))
+        self.quantization = mode = capabilities.quantization_mode(config, self.device, self.dtype)
         # Loaded with transformers' eager attention, which the probe's and then the chosen
         # backend's function replace: the backend takes the KV head size the probe finds.
         loaded = load_model(
@@ -218,29 +209,6 @@ class EngineBuilder:
                 "Default sampling parameters have been overridden by %s: %s", source, defaults
             )
         return defaults
-
-    def _quantization(self, config: EngineConfig, checkpoint: str) -> str:
-        """The quantization mode this engine runs: the setting, or with 'auto' the one the
-        checkpoint ships in ("gguf": a GGUF's own types) where the kernel can run it here
-        (else none, with a warning)."""
-        if config.quantization == "gguf" and checkpoint != "gguf":
-            raise ConfigError(
-                f"quantization 'gguf' serves a GGUF file's own quantized types, and model "
-                f"'{config.model}' is not such a file"
-            )
-        if config.quantization != "auto":
-            return config.quantization
-        if checkpoint != "none":
-            reason = capabilities.quantization_unavailable(self.device, self.dtype, checkpoint)
-            if reason is not None:
-                logger.warning(
-                    "the checkpoint's tensors are quantized, but the kernel cannot run here "
-                    "(%s): serving them dequantized to %s",
-                    reason, self.dtype,
-                )  # fmt: skip
-                return "none"
-            logger.info("quantization gguf: the checkpoint's own types (quantization: auto)")
-        return checkpoint
 
     def _compiles(self, config: EngineConfig) -> bool:
         """Whether steps run through a compiled forward: on the CPU, with an attention

@@ -162,6 +162,10 @@ class QuantizedLinear(OpaqueLinear):
         y = group_linear.group_linear(x.reshape(-1, self.in_features), self.weight, self.bias)
         return y.reshape(*x.shape[:-1], self.out_features)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized to fp32 `[len(ids), in_features]`."""
+        return group_linear.unpack(self.weight, ids)
+
     def extra_repr(self) -> str:
         rows = "all" if self.kernel_rows is None else f"<={self.kernel_rows}"
         return (

@@ -81,12 +81,11 @@ class AsyncPooler:
     def __init__(self, config: EngineConfig, spec: PoolingSpec) -> None:
         """Load the model (`torch_thread.apart`) and return once it serves; raises what
         loading raised."""
-        if config.device == "cuda" or config.dtype == "float16" or config.quantization in (
-            "gguf", "int4",
-        ):  # fmt: skip
+        if config.device == "cuda" or config.dtype == "float16" or config.quantization == "int4":
             raise ConfigError(
-                "a pooling model runs on the CPU in fp32 or bf16, unquantized or int8: device, "
-                "dtype and quantization must be auto (or cpu, float32 or bfloat16, none or int8)"
+                "a pooling model runs on the CPU in fp32 or bf16, unquantized, int8 or in a "
+                "GGUF's own types: device, dtype and quantization must be auto (or cpu, "
+                "float32 or bfloat16, none, int8 or gguf)"
             )
         if config.enable_lora or config.lora_modules:
             raise ConfigError("enable_lora, lora_modules: LoRA adapters apply to generating models")
@@ -96,11 +95,8 @@ class AsyncPooler:
         gguf = Path(source) if source.endswith(".gguf") else None
         self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.device = torch.device("cpu")
-        self.quantization = "int8" if config.quantization == "int8" else None
-        if self.quantization is not None:
-            reason = capabilities.quantization_unavailable(self.device, self.dtype, "int8")
-            if reason is not None:
-                raise ConfigError(f"quantization 'int8' cannot run here: {reason}")
+        mode = capabilities.quantization_mode(config, self.device, self.dtype)
+        self.quantization = None if mode == "none" else mode
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._ended: Future[BaseException | None] = Future()
         self._failure: BaseException | None = None

@@ -33,7 +33,7 @@ from transformers import (
 
 from engine import capabilities
 from engine.errors import ModelLoadError
-from engine.model.loader import load_gguf
+from engine.model.loader import Install, load_gguf
 from engine.pooling.dense import load_dense
 from engine.pooling.spec import PoolingSpec
 from engine.pooling.text_attention import attend_text_by_text
@@ -56,8 +56,10 @@ class Text:
 
 class PoolingModel:
     """The model of a pooling folder (or of the `gguf` file whose metadata folder it is) in
-    `dtype` on the CPU, its linears quantized to `quantization` ("int8", pagedserve's own
-    groups) where given: `embed` and `classify` texts."""
+    `dtype` on the CPU, its linears quantized where `quantization` is given ("int8":
+    pagedserve's own groups; "gguf": the file's own types): `embed` and `classify` texts.
+    Quantized linears run the group kernel at every row count, so a row's bits depend on
+    it alone, as packed ones' do."""
 
     def __init__(
         self,
@@ -70,7 +72,9 @@ class PoolingModel:
         if gguf is None:
             model = _load(folder, spec, dtype)
         else:
-            model = _load_gguf(gguf, folder, spec, dtype)
+            own_types = quantization == "gguf"
+            install = capabilities.gguf_install(dtype, every_row_count=True) if own_types else None
+            model = _load_gguf(gguf, folder, spec, dtype, install)
         self.model = model.eval().requires_grad_(False)
         self.spec = spec
         self.dtype = dtype
@@ -86,7 +90,7 @@ class PoolingModel:
         if self.packed_forward:
             attend_text_by_text(model)
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
-        if quantization is not None:  # the group kernel: a row's bits depend on it alone
+        if quantization in ("int8", "int4"):
             capabilities.quantize(self.model, quantization, dtype, None, every_row_count=True)
         # The row count the linears compute n rows with: a batch's rows are padded to it
         # once, not by each linear.
@@ -163,9 +167,10 @@ class PoolingModel:
             raise ModelLoadError(
                 f"hf_overrides: classifier_from_token {missing[0]!r} is not one token"
             )
-        first, second = (vocabulary[t] for t in self.spec.classifier_tokens)
-        head = self.model.get_output_embeddings().weight.detach()
-        return (head[second] - head[first]).float()
+        ids = torch.tensor([vocabulary[t] for t in self.spec.classifier_tokens])
+        head = self.model.get_output_embeddings()  # an nn.Linear, or a GGUF's blocks
+        first, second = head.weight[ids] if isinstance(head, nn.Linear) else head.rows(ids)
+        return (second - first).float()
 
     @torch.inference_mode()
     def classify(self, texts: list[Text]) -> list[torch.Tensor]:
@@ -223,14 +228,19 @@ def _load(folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedMode
     return model
 
 
-def _load_gguf(path: Path, folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedModel:
-    """An embedder's GGUF, dequantized to `dtype`: a BERT as its encoder without the pooler
-    (which embeddings do not use, and llama.cpp's converter drops), a decoder as its causal
-    LM, whose base model embeds."""
+def _load_gguf(
+    path: Path, folder: Path, spec: PoolingSpec, dtype: torch.dtype, install: Install | None
+) -> PreTrainedModel:
+    """An embedder's GGUF, dequantized to `dtype` (or put in by `install`): a BERT as its
+    encoder without the pooler (which embeddings do not use, and llama.cpp's converter
+    drops), a decoder as its causal LM, whose base model embeds."""
     config = AutoConfig.from_pretrained(folder)
     if spec.causal:
-        return load_gguf(path, folder, config, dtype)[0]
-    return load_gguf(path, folder, config, dtype, auto=AutoModel, add_pooling_layer=False)[0]
+        return load_gguf(path, folder, config, dtype, install=install)[0]
+    encoder = load_gguf(
+        path, folder, config, dtype, install=install, auto=AutoModel, add_pooling_layer=False
+    )  # fmt: skip
+    return encoder[0]
 
 
 def _head_input(model: nn.Module, firsts: torch.Tensor) -> torch.Tensor:

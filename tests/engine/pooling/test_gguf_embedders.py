@@ -1,7 +1,8 @@
 """Embedders from GGUF files: all-MiniLM-L6-v2 written as llama.cpp's converter writes a BERT
-(F32: the folder's embeddings bit for bit; Q8_0: near them), a random nomic-bert (as
-transformers' NomicBertModel computes it), a decoder's file made an embedder by a pooler
-config, and the BERT files that pool otherwise refused by name."""
+(F32: the folder's embeddings bit for bit; Q8_0: near them, in its own types by default), a
+random nomic-bert (as transformers' NomicBertModel computes it), a decoder's file made an
+embedder by a pooler config or a reranker by `hf_overrides`, and the BERT files that pool
+otherwise refused by name."""
 
 from __future__ import annotations
 
@@ -13,11 +14,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import PoolingType
-from transformers import AutoModel, NomicBertConfig, NomicBertModel
+from transformers import AutoModel, AutoTokenizer, NomicBertConfig, NomicBertModel
 
+from engine import capabilities
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
+from engine.linears.quantized_embedding import QuantizedEmbedding
+from engine.linears.quantized_linear import QuantizedLinear
+from engine.model.loader import resolve_model_folder
 from engine.pooling.async_pooler import AsyncPooler, pooling_model
+from engine.pooling.model import PoolingModel, Text
 from tests.support.gguf_files import write_bert_gguf, write_gguf, write_nomic_bert_gguf
 
 # Cased, accented, CJK and punctuated text: the GGUF's vocabulary and lowercasing must
@@ -50,9 +56,60 @@ def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: P
     assert got_ids == ids
     assert np.array_equal(got, want)
     q8 = write_bert_gguf(minilm, tmp_path / "minilm-q8_0.gguf", "Q8_0")
-    _, got = _embeddings(EngineConfig(model=str(q8)))
-    cosine = (got * want).sum(1)  # both normalized
-    assert 0.999 <= cosine.min() < 0.99999
+    for quantization in ("auto", "none"):  # its own types (the default), dequantized to fp32
+        _, got = _embeddings(EngineConfig(model=str(q8), quantization=quantization))
+        cosine = (got * want).sum(1)  # both normalized
+        assert 0.999 <= cosine.min() < 0.99999
+
+
+def _own_types(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
+    """The pooling model of a GGUF in the mode `quantization` chooses, as the engine loads it."""
+    engine = EngineConfig(model=str(path), quantization=quantization, **config)  # type: ignore[arg-type]
+    mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32)
+    spec = pooling_model(engine)
+    assert spec is not None
+    folder = Path(resolve_model_folder(str(path))[0])
+    return PoolingModel(folder, spec, torch.float32, None if mode == "none" else mode, path)
+
+
+def test_a_quantized_gguf_embeds_in_its_own_types(minilm: Path, tmp_path: Path, cache: Path):
+    """By default a Q8_0 file's linears and token table stay its blocks, run by the group
+    kernel (as a decoder's file is served): a text alone has its bits in a batch, within
+    the file's rounding of the weights dequantized to fp32 (`quantization: none`)."""
+    path = write_bert_gguf(minilm, tmp_path / "minilm-q8_0.gguf", "Q8_0")
+    own, dense = _own_types(path), _own_types(path, "none")
+    kinds = [type(module) for module in own.model.modules()]
+    # Six layers of six linears, and the token table's (its QuantizedEmbedding's) blocks.
+    assert kinds.count(QuantizedLinear) == 6 * 6 + 1 and QuantizedEmbedding in kinds
+    assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
+    texts = [Text(ids) for ids in own_ids(path)]
+    got, want = torch.stack(own.embed(texts)), torch.stack(dense.embed(texts))
+    assert 0.999 <= (got * want).sum(1).min() < 0.99999
+    assert torch.equal(own.embed(texts[1:2])[0], got[1])
+
+
+def own_ids(path: Path) -> list[list[int]]:
+    """The TEXTS' token ids by the file's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_folder(str(path))[0])
+    return [tokenizer(text)["input_ids"] for text in TEXTS]
+
+
+def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
+    """A decoder's Q8_0 file made a reranker by `hf_overrides` (vLLM's way to serve
+    Qwen3-Reranker) scores with its head's two rows read from the file's blocks: as the
+    same file dequantized to fp32 does, within the kernel's rounding of activations."""
+    path = write_gguf(tmp_path / "reranker.gguf", "Q8_0")
+    overrides = {
+        "architectures": ["LlamaForSequenceClassification"],
+        "classifier_from_token": ["a", "b"],
+    }
+    own = _own_types(path, hf_overrides=overrides)
+    dense = _own_types(path, "none", hf_overrides=overrides)
+    assert isinstance(own.model.get_output_embeddings(), QuantizedLinear)
+    texts = [Text(ids) for ids in (own_ids(path)[:2])]
+    got, want = torch.cat(own.classify(texts)), torch.cat(dense.classify(texts))
+    assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
+    assert not torch.equal(got, want)
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.RANK, PoolingType.LAST, PoolingType.NONE])
@@ -78,7 +135,8 @@ def test_a_decoders_gguf_embeds_as_its_pooler_config_or_its_file_says(
     pooling = PoolingType.LAST if named else None
     path = write_gguf(tmp_path / "embed.gguf", "Q8_0", pooling=pooling)
     pooler_config = None if named else {"pooling_type": "LAST"}
-    config = EngineConfig(model=str(path), pooler_config=pooler_config)
+    # Dequantized (`none`): what transformers computes from the file.
+    config = EngineConfig(model=str(path), pooler_config=pooler_config, quantization="none")
     pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
     try:
         texts = pooler.encode(["hello there", "a b c d e f"], None)
