@@ -90,7 +90,7 @@ class PoolingModel:
         if self.packed_forward:
             attend_text_by_text(model)
         self.reranker = None if spec.classifier_tokens is None else self._reranker(folder)
-        if quantization in ("int8", "int4"):
+        if quantization == "int8":
             capabilities.quantize(self.model, quantization, dtype, None, every_row_count=True)
         # The row count the linears compute n rows with: a batch's rows are padded to it
         # once, not by each linear.

@@ -47,6 +47,22 @@ def _embeddings(config: EngineConfig) -> tuple[list[list[int]], np.ndarray]:
     return [text.token_ids for text in texts], torch.stack(vectors).numpy()
 
 
+def _own_types(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
+    """The pooling model of a GGUF in the mode `quantization` chooses, as the engine loads it."""
+    engine = EngineConfig(model=str(path), quantization=quantization, **config)  # type: ignore[arg-type]
+    mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32)
+    spec = pooling_model(engine)
+    assert spec is not None
+    folder = Path(resolve_model_folder(str(path))[0])
+    return PoolingModel(folder, spec, torch.float32, None if mode == "none" else mode, path)
+
+
+def _ids(path: Path) -> list[list[int]]:
+    """The TEXTS' token ids by the file's tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_folder(str(path))[0])
+    return [tokenizer(text)["input_ids"] for text in TEXTS]
+
+
 def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: Path):
     """In F32 the file holds the folder's weights, so the embeddings are the folder's bit for
     bit (the same forward over the same ids); in Q8_0, within its rounding."""
@@ -62,16 +78,6 @@ def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: P
         assert 0.999 <= cosine.min() < 0.99999
 
 
-def _own_types(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
-    """The pooling model of a GGUF in the mode `quantization` chooses, as the engine loads it."""
-    engine = EngineConfig(model=str(path), quantization=quantization, **config)  # type: ignore[arg-type]
-    mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32)
-    spec = pooling_model(engine)
-    assert spec is not None
-    folder = Path(resolve_model_folder(str(path))[0])
-    return PoolingModel(folder, spec, torch.float32, None if mode == "none" else mode, path)
-
-
 def test_a_quantized_gguf_embeds_in_its_own_types(minilm: Path, tmp_path: Path, cache: Path):
     """By default a Q8_0 file's linears and token table stay its blocks, run by the group
     kernel (as a decoder's file is served): a text alone has its bits in a batch, within
@@ -82,16 +88,10 @@ def test_a_quantized_gguf_embeds_in_its_own_types(minilm: Path, tmp_path: Path, 
     # Six layers of six linears, and the token table's (its QuantizedEmbedding's) blocks.
     assert kinds.count(QuantizedLinear) == 6 * 6 + 1 and QuantizedEmbedding in kinds
     assert not any(isinstance(m, QuantizedLinear) for m in dense.model.modules())
-    texts = [Text(ids) for ids in own_ids(path)]
+    texts = [Text(ids) for ids in _ids(path)]
     got, want = torch.stack(own.embed(texts)), torch.stack(dense.embed(texts))
     assert 0.999 <= (got * want).sum(1).min() < 0.99999
     assert torch.equal(own.embed(texts[1:2])[0], got[1])
-
-
-def own_ids(path: Path) -> list[list[int]]:
-    """The TEXTS' token ids by the file's tokenizer."""
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_folder(str(path))[0])
-    return [tokenizer(text)["input_ids"] for text in TEXTS]
 
 
 def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
@@ -106,7 +106,7 @@ def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
     own = _own_types(path, hf_overrides=overrides)
     dense = _own_types(path, "none", hf_overrides=overrides)
     assert isinstance(own.model.get_output_embeddings(), QuantizedLinear)
-    texts = [Text(ids) for ids in (own_ids(path)[:2])]
+    texts = [Text(ids) for ids in (_ids(path)[:2])]
     got, want = torch.cat(own.classify(texts)), torch.cat(dense.classify(texts))
     assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
     assert not torch.equal(got, want)
