@@ -103,12 +103,15 @@ def quantization_unavailable(device: torch.device, dtype: torch.dtype, mode: str
     return quantized_linear.unavailable_reason(device, dtype, mode)
 
 
-def quantization_mode(config: EngineConfig, device: torch.device, dtype: torch.dtype) -> str:
+def quantization_mode(
+    config: EngineConfig, device: torch.device, dtype: torch.dtype, every_row_count: bool = False
+) -> str:
     """The quantization mode a model of `config` runs in `dtype` on `device`: the setting,
     or with 'auto' the one the checkpoint ships in ("gguf": a GGUF's own types) where the
-    kernel can run it here (else "none", with a warning). Raises `ConfigError` naming the
-    setting where an explicit mode cannot run here, or 'gguf' is asked of a model that is
-    not a quantized GGUF."""
+    kernel can run it here (else "none", with a warning), and, for a model whose kernel
+    must compute `every_row_count`, runs it fast at many rows (AVX2 or AVX512-VNNI; else
+    "none"). Raises `ConfigError` naming the setting where an explicit mode cannot run
+    here, or 'gguf' is asked of a model that is not a quantized GGUF."""
     from engine.model.loader import checkpoint_quantization
 
     asked = config.quantization
@@ -135,8 +138,24 @@ def quantization_mode(config: EngineConfig, device: torch.device, dtype: torch.d
                 reason, dtype,
             )  # fmt: skip
             return "none"
+        if every_row_count and _scalar_kernel(dtype):
+            logger.info(
+                "the checkpoint's tensors are quantized, but the kernel runs many rows fast "
+                "only with AVX2 or AVX512-VNNI: serving them dequantized to %s "
+                "(quantization: gguf keeps them)",
+                dtype,
+            )
+            return "none"
         logger.info("quantization gguf: the checkpoint's own types (quantization: auto)")
     return checkpoint
+
+
+def _scalar_kernel(dtype: torch.dtype) -> bool:
+    """Whether the quantized kernel here is its scalar twin, which a dense linear outruns
+    at many rows (`quantization_unavailable` allowed the kernel)."""
+    from engine.linears import quantized_linear
+
+    return quantized_linear.max_kernel_rows(dtype) is not None
 
 
 def quantize(

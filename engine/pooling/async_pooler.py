@@ -95,7 +95,7 @@ class AsyncPooler:
         gguf = Path(source) if source.endswith(".gguf") else None
         self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
         self.device = torch.device("cpu")
-        mode = capabilities.quantization_mode(config, self.device, self.dtype)
+        mode = capabilities.quantization_mode(config, self.device, self.dtype, every_row_count=True)
         self.quantization = None if mode == "none" else mode
         self._jobs: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._ended: Future[BaseException | None] = Future()

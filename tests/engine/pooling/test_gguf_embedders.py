@@ -19,6 +19,7 @@ from transformers import AutoModel, AutoTokenizer, NomicBertConfig, NomicBertMod
 from engine import capabilities
 from engine.config import EngineConfig
 from engine.errors import UnsupportedModelError
+from engine.linears import quantized_linear
 from engine.linears.quantized_embedding import QuantizedEmbedding
 from engine.linears.quantized_linear import QuantizedLinear
 from engine.model.loader import resolve_model_folder
@@ -50,7 +51,7 @@ def _embeddings(config: EngineConfig) -> tuple[list[list[int]], np.ndarray]:
 def _own_types(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
     """The pooling model of a GGUF in the mode `quantization` chooses, as the engine loads it."""
     engine = EngineConfig(model=str(path), quantization=quantization, **config)  # type: ignore[arg-type]
-    mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32)
+    mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32, True)
     spec = pooling_model(engine)
     assert spec is not None
     folder = Path(resolve_model_folder(str(path))[0])
@@ -92,6 +93,24 @@ def test_a_quantized_gguf_embeds_in_its_own_types(minilm: Path, tmp_path: Path, 
     got, want = torch.stack(own.embed(texts)), torch.stack(dense.embed(texts))
     assert 0.999 <= (got * want).sum(1).min() < 0.99999
     assert torch.equal(own.embed(texts[1:2])[0], got[1])
+
+
+def test_a_gguf_embedder_is_dequantized_where_the_kernel_is_its_scalar_twin(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Without AVX2 or AVX512-VNNI the kernel runs few rows only (generation computes more
+    dense); an embedder's kernel must run every row count, so `auto` dequantizes its file,
+    and `gguf` still keeps the blocks where asked."""
+    path = write_gguf(tmp_path / "embed.gguf", "Q8_0", pooling=PoolingType.LAST)
+    cpu = torch.device("cpu")
+
+    def mode(quantization: str, every_row_count: bool) -> str:
+        config = EngineConfig(model=str(path), quantization=quantization)  # type: ignore[arg-type]
+        return capabilities.quantization_mode(config, cpu, torch.float32, every_row_count)
+
+    assert mode("auto", True) == "gguf"  # this CPU: the kernel is vectorized
+    monkeypatch.setattr(quantized_linear, "max_kernel_rows", lambda dtype: 16)
+    assert (mode("auto", True), mode("gguf", True), mode("auto", False)) == ("none", "gguf", "gguf")
 
 
 def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
