@@ -279,7 +279,7 @@ def _write_decoder_folder(reader: GGUFReader, path: Path, staging: Path, archite
         config.sliding_window = None
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name).save_pretrained(staging)
-    write_decoder_pooling(reader, architecture, staging)
+    write_decoder_pooling(reader, path, architecture, staging)
 
 
 def _entry(tensor) -> list:

@@ -87,13 +87,13 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
     write_pooling_modules(staging, POOLING[pooling])
 
 
-def write_decoder_pooling(reader: GGUFReader, architecture: str, staging: Path) -> None:
+def write_decoder_pooling(reader: GGUFReader, path: Path, architecture: str, staging: Path) -> None:
     """Where a decoder's file names its pooling (`<arch>.pooling_type`, which llama.cpp's
     converter writes from a sentence-transformers folder: Qwen3-Embedding's LAST), write
     its modules, so that it embeds as that folder did; a file that names none (a chat
     model's), or RANK (a reranker's), stays a model to generate with."""
-    entry = reader.fields.get(f"{architecture}.pooling_type")
-    mode = None if entry is None else DECODER_POOLING.get(PoolingType(entry.contents()))
+    named = metadata_field(reader, path, f"{architecture}.pooling_type", PoolingType.NONE.value)
+    mode = DECODER_POOLING.get(PoolingType(named))
     if mode is not None:
         write_pooling_modules(staging, mode)
 

@@ -48,8 +48,9 @@ def _embeddings(config: EngineConfig) -> tuple[list[list[int]], np.ndarray]:
     return [text.token_ids for text in texts], torch.stack(vectors).numpy()
 
 
-def _own_types(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
-    """The pooling model of a GGUF in the mode `quantization` chooses, as the engine loads it."""
+def _pooling_model(path: Path, quantization: str = "auto", **config: object) -> PoolingModel:
+    """The pooling model of a GGUF in the mode `quantization` chooses (the file's own types
+    by default), as the pooling engine loads it."""
     engine = EngineConfig(model=str(path), quantization=quantization, **config)  # type: ignore[arg-type]
     mode = capabilities.quantization_mode(engine, torch.device("cpu"), torch.float32, True)
     spec = pooling_model(engine)
@@ -79,12 +80,12 @@ def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: P
         assert 0.999 <= cosine.min() < 0.99999
 
 
-def test_a_quantized_gguf_embeds_in_its_own_types(minilm: Path, tmp_path: Path, cache: Path):
+def test_a_quantized_gguf_embeds_in_its_pooling_model(minilm: Path, tmp_path: Path, cache: Path):
     """By default a Q8_0 file's linears and token table stay its blocks, run by the group
     kernel (as a decoder's file is served): a text alone has its bits in a batch, within
     the file's rounding of the weights dequantized to fp32 (`quantization: none`)."""
     path = write_bert_gguf(minilm, tmp_path / "minilm-q8_0.gguf", "Q8_0")
-    own, dense = _own_types(path), _own_types(path, "none")
+    own, dense = _pooling_model(path), _pooling_model(path, "none")
     kinds = [type(module) for module in own.model.modules()]
     # Six layers of six linears, and the token table's (its QuantizedEmbedding's) blocks.
     assert kinds.count(QuantizedLinear) == 6 * 6 + 1 and QuantizedEmbedding in kinds
@@ -113,7 +114,7 @@ def test_a_gguf_embedder_is_dequantized_where_the_kernel_is_its_scalar_twin(
     assert (mode("auto", True), mode("gguf", True), mode("auto", False)) == ("none", "gguf", "gguf")
 
 
-def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
+def test_a_decoders_gguf_reranks_in_its_pooling_model(tmp_path: Path, cache: Path):
     """A decoder's Q8_0 file made a reranker by `hf_overrides` (vLLM's way to serve
     Qwen3-Reranker) scores with its head's two rows read from the file's blocks: as the
     same file dequantized to fp32 does, within the kernel's rounding of activations."""
@@ -122,8 +123,8 @@ def test_a_decoders_gguf_reranks_in_its_own_types(tmp_path: Path, cache: Path):
         "architectures": ["LlamaForSequenceClassification"],
         "classifier_from_token": ["a", "b"],
     }
-    own = _own_types(path, hf_overrides=overrides)
-    dense = _own_types(path, "none", hf_overrides=overrides)
+    own = _pooling_model(path, hf_overrides=overrides)
+    dense = _pooling_model(path, "none", hf_overrides=overrides)
     assert isinstance(own.model.get_output_embeddings(), QuantizedLinear)
     texts = [Text(ids) for ids in (_ids(path)[:2])]
     got, want = torch.cat(own.classify(texts)), torch.cat(dense.classify(texts))
