@@ -6,6 +6,7 @@
 // headers a source includes with quotes.
 #pragma once
 
+#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -22,6 +23,14 @@ struct TileConfig {
   uint8_t rows[16];
 };
 static_assert(sizeof(TileConfig) == 64, "the LDTILECFG operand is 64 bytes");
+
+// LDTILECFG of `config`. GCC 12 does not count the intrinsic's operand as read and may drop
+// the stores that fill it, leaving the tiles unconfigured (the next tile instruction is
+// then an illegal one, SIGILL): the barrier makes every store land first.
+inline void load_tile_config(const TileConfig& config) {
+  asm volatile("" : : "r"(&config) : "memory");
+  _tile_loadconfig(&config);
+}
 
 // Whether Linux lets this process use the AMX tile data (asked once per process).
 inline bool amx_permitted() {

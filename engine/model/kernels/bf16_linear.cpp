@@ -172,6 +172,7 @@ void dot_tiles(const uint16_t* x, int64_t m, int64_t k, const Part& part, int64_
 #ifdef PAGEDSERVE_AMX
 
 using pagedserve_amx::amx_permitted;
+using pagedserve_amx::load_tile_config;
 using pagedserve_amx::TileConfig;
 
 // Every tile 16 rows of 64 bytes: tmm0 A (16 rows x 32 inputs), tmm1-3 B (16 input pairs x
@@ -183,7 +184,7 @@ void configure_tiles() {
     config.rows[i] = kAmxRows;
     config.colsb[i] = 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // 16 rows of `a` (row stride `a_stride` elements, K a multiple of 32) against tiles

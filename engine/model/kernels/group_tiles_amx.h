@@ -18,6 +18,7 @@ constexpr int64_t kAmxChunkRows = 128;  // rows per pass over a task's tiles
 constexpr int64_t kGroupBytes = kGroup * kTile;  // one group's B: 8 rows x 64 bytes
 
 using pagedserve_amx::amx_permitted;
+using pagedserve_amx::load_tile_config;
 using pagedserve_amx::TileConfig;
 
 void configure_tiles() {
@@ -28,7 +29,7 @@ void configure_tiles() {
     config.rows[i] = b ? kGroup / 4 : kAmxRows;
     config.colsb[i] = a ? kGroup : 64;
   }
-  _tile_loadconfig(&config);
+  load_tile_config(config);
 }
 
 // A 4-bit tile's codes as 8-bit ones in `b` ([K / 32][8][64]): each packed vector's low
