@@ -17,7 +17,9 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
 
+from engine.model.device import resolve_dtype
 from tests.server.conftest import engine_metrics
 from tests.server.serve_process import serve_process
 
@@ -43,9 +45,11 @@ WORDS = (
     "data",
     "model",
 )
-# 128 MiB of fp32 KV holds ~2,900 tokens of the default model: one long prompt and a half.
-SETTINGS = ["--config", "configs/default.yaml", "--kv-cache-memory", "128MiB",
-            "--max-model-len", "2048"]  # fmt: skip
+# ~2,900 tokens of the default model's KV, one long prompt and a half: 128 MiB in fp32, 64 in
+# bf16 (the default dtype where the CPU computes bf16 fast).
+_BF16 = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
+SETTINGS = ["--config", "configs/default.yaml", "--kv-cache-memory",
+            "64MiB" if _BF16 else "128MiB", "--max-model-len", "2048"]  # fmt: skip
 
 
 def text(seed: int, num_words: int = 1810) -> str:
