@@ -56,8 +56,8 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="compute dtype; auto: bf16 where the device computes it fast (CUDA "
-        "that supports it, CPUs with AVX512-BF16 or AMX-BF16), else fp16 on CUDA, fp32 on "
-        "the CPU",
+        "that supports it, CPUs with AVX512-BF16 or AMX-BF16; for a pooling model, CPUs "
+        "with AMX-BF16), else fp16 on CUDA, fp32 on the CPU",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="auto: CUDA where present, else the CPU"

@@ -93,7 +93,7 @@ class AsyncPooler:
         source, self.model_name = resolve_model_source(config.model)
         folder = Path(resolve_model_folder(config.model)[0])
         gguf = Path(source) if source.endswith(".gguf") else None
-        self.dtype = torch.bfloat16 if config.dtype == "bfloat16" else torch.float32
+        self.dtype = capabilities.pooling_dtype(config.dtype)
         self.device = torch.device("cpu")
         mode = capabilities.quantization_mode(config, self.device, self.dtype, every_row_count=True)
         self.quantization = None if mode == "none" else mode

@@ -26,6 +26,12 @@ def unavailable_reason() -> str | None:
     return EXTENSION.unavailable_reason()
 
 
+def runs_on_amx() -> bool:
+    """Whether the kernel computes here on AMX tiles (AMX-BF16, granted by Linux), where it
+    outruns oneDNN's fp32 at every row count; builds it where the CPU has AVX512-BF16."""
+    return unavailable_reason() is None and bool(EXTENSION.load().amx_available())
+
+
 def supports(in_features: int) -> bool:
     """Whether a linear with `in_features` inputs fits the kernel (input pairs)."""
     return in_features % 2 == 0

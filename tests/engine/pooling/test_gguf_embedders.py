@@ -68,14 +68,16 @@ def _ids(path: Path) -> list[list[int]]:
 def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: Path):
     """In F32 the file holds the folder's weights, so the embeddings are the folder's bit for
     bit (the same forward over the same ids); in Q8_0, within its rounding."""
-    ids, want = _embeddings(EngineConfig(model=str(minilm)))
+    ids, want = _embeddings(EngineConfig(model=str(minilm), dtype="float32"))
     f32 = write_bert_gguf(minilm, tmp_path / "minilm-f32.gguf", "F32")
-    got_ids, got = _embeddings(EngineConfig(model=str(f32)))
+    got_ids, got = _embeddings(EngineConfig(model=str(f32), dtype="float32"))
     assert got_ids == ids
     assert np.array_equal(got, want)
     q8 = write_bert_gguf(minilm, tmp_path / "minilm-q8_0.gguf", "Q8_0")
     for quantization in ("auto", "none"):  # its own types (the default), dequantized to fp32
-        _, got = _embeddings(EngineConfig(model=str(q8), quantization=quantization))
+        _, got = _embeddings(
+            EngineConfig(model=str(q8), quantization=quantization, dtype="float32")
+        )
         cosine = (got * want).sum(1)  # both normalized
         assert 0.999 <= cosine.min() < 0.99999
 
@@ -156,7 +158,9 @@ def test_a_decoders_gguf_embeds_as_its_pooler_config_or_its_file_says(
     path = write_gguf(tmp_path / "embed.gguf", "Q8_0", pooling=pooling)
     pooler_config = None if named else {"pooling_type": "LAST"}
     # Dequantized (`none`): what transformers computes from the file.
-    config = EngineConfig(model=str(path), pooler_config=pooler_config, quantization="none")
+    config = EngineConfig(
+        model=str(path), pooler_config=pooler_config, quantization="none", dtype="float32"
+    )
     pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
     try:
         texts = pooler.encode(["hello there", "a b c d e f"], None)
@@ -183,7 +187,7 @@ def test_a_nomic_bert_gguf_embeds_as_transformers_nomic_bert(
     )  # fmt: skip
     model = NomicBertModel(config).eval()
     path = write_nomic_bert_gguf(model, minilm, tmp_path / "nomic.gguf", "F16")
-    config_ = EngineConfig(model=str(path))
+    config_ = EngineConfig(model=str(path), dtype="float32")
     pooler = AsyncPooler(config_, pooling_model(config_))  # type: ignore[arg-type]
     try:
         texts = pooler.encode(TEXTS, None)

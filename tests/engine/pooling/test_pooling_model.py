@@ -32,8 +32,10 @@ from transformers import (
     RobertaModel,
 )
 
+from engine import capabilities
 from engine.config import ConfigError, EngineConfig
 from engine.errors import EngineError, ModelLoadError
+from engine.model.kernels import bf16_linear
 from engine.pooling.async_pooler import AsyncPooler
 from engine.pooling.model import PACKED_DECODERS, PACKED_FORWARD_ENCODERS, PoolingModel, Text
 from engine.pooling.spec import PoolingSpec, pooling_spec
@@ -265,3 +267,20 @@ def test_quantizations_a_pooling_model_cannot_take_are_refused(
     config = EngineConfig(model=str(_small_bert(tmp_path)), quantization=mode)
     with pytest.raises(ConfigError, match=refusal):
         AsyncPooler(config, pooling_spec(tmp_path))
+
+
+def test_auto_computes_a_pooling_model_in_bf16_only_where_amx_computes_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """bf16 outruns fp32 at many rows only on AMX tiles; a dtype asked for is kept."""
+    folder = _small_bert(tmp_path)
+    for amx, want in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setattr(bf16_linear, "runs_on_amx", lambda amx=amx: amx)
+        pooler = AsyncPooler(EngineConfig(model=str(folder)), pooling_spec(folder))
+        try:
+            assert pooler.dtype == want
+            vector = asyncio.run(pooler.run([Text([1, 2, 3])]))[0]
+            assert vector.dtype == torch.float32 and bool(torch.isfinite(vector).all())
+        finally:
+            asyncio.run(pooler.shutdown())
+        assert capabilities.pooling_dtype("float32") == torch.float32
