@@ -99,10 +99,11 @@ def pooling_dtype(setting: str) -> torch.dtype:
     bf16 linears run on AMX tiles, else fp32. On AMX bf16 embeds 2.5x fp32's texts a second
     at 32 texts a request, at cosine 0.9999 to fp32; with AVX512-BF16's dot products alone
     it is slower than oneDNN's fp32 at many rows (docs/embeddings.md)."""
-    if setting != "auto":
-        return torch.bfloat16 if setting == "bfloat16" else torch.float32
+    from engine.model.device import resolve_dtype
     from engine.model.kernels import bf16_linear
 
+    if setting != "auto":
+        return resolve_dtype(setting, torch.device("cpu"))
     if bf16_linear.runs_on_amx():
         logger.info("dtype auto: bf16, the CPU's AMX tiles computing it (dtype: float32 is exact)")
         return torch.bfloat16

@@ -45,11 +45,11 @@ WORDS = (
     "data",
     "model",
 )
-# ~2,900 tokens of the default model's KV, one long prompt and a half: 128 MiB in fp32, 64 in
-# bf16 (the default dtype where the CPU computes bf16 fast).
-_BF16 = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
-SETTINGS = ["--config", "configs/default.yaml", "--kv-cache-memory",
-            "64MiB" if _BF16 else "128MiB", "--max-model-len", "2048"]  # fmt: skip
+# ~2,900 tokens of the default model's KV, one long prompt and a half: 32 MiB per byte of the
+# default dtype (128 in fp32, 64 in bf16, auto's where the CPU computes bf16 fast).
+_KV_MIB = 32 * resolve_dtype("auto", torch.device("cpu")).itemsize
+SETTINGS = ["--config", "configs/default.yaml", "--kv-cache-memory", f"{_KV_MIB}MiB",
+            "--max-model-len", "2048"]  # fmt: skip
 
 
 def text(seed: int, num_words: int = 1810) -> str:
