@@ -30,11 +30,21 @@ T = TypeVar("T")
 
 DONE = "data: [DONE]\n\n"
 
+# Characters JSON may leave raw that line splitters other than SSE's own break lines at
+# (Python's `str.splitlines`, httpx's `iter_lines`); escaped, the JSON means the same.
+_LINE_SEPARATORS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def one_line(json_text: str) -> str:
+    """`json_text` as one line for every line splitter: JSON never holds a raw newline or
+    carriage return, and this escapes the Unicode line separators it may hold."""
+    return json_text.translate(_LINE_SEPARATORS)
+
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
-    """One `data:` event; JSON never holds a raw newline, so one line always suffices."""
+    """One `data:` event of one line, whatever the payload's text holds."""
     data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
-    return f"data: {data}\n\n"
+    return f"data: {one_line(data)}\n\n"
 
 
 class SSEResponse(StreamingResponse):

@@ -12,13 +12,14 @@ import json
 from typing import Any
 
 from server.anthropic.protocol import ThinkingOut, ToolUseOut
+from server.streaming import one_line
 
 PING = {"type": "ping"}
 
 
 def event(data: dict[str, Any]) -> str:
-    """One event; JSON never holds a raw newline, so one data line always suffices."""
-    return f"event: {data['type']}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+    """One event, its data one line whatever its text holds."""
+    return f"event: {data['type']}\ndata: {one_line(json.dumps(data, ensure_ascii=False))}\n\n"
 
 
 class ContentBlocks:

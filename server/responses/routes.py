@@ -44,6 +44,7 @@ from server.responses.protocol import (
     ResponseUsage,
 )
 from server.responses.store import response_store
+from server.streaming import one_line
 
 if TYPE_CHECKING:
     from engine.outputs import CompletionOutput, RequestOutput
@@ -292,7 +293,7 @@ class _Numbered:
     def sse(self, event: Event) -> str:
         number, self._next = self._next, self._next + 1
         data = json.dumps(_as_json({**event, "sequence_number": number}), ensure_ascii=False)
-        return f"event: {event['type']}\ndata: {data}\n\n"
+        return f"event: {event['type']}\ndata: {one_line(data)}\n\n"
 
 
 def _as_json(value: Any) -> Any:

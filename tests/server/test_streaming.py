@@ -12,6 +12,8 @@ import pytest
 from fastapi import FastAPI
 from pydantic import BaseModel
 
+from server.anthropic.events import event as anthropic_event
+from server.responses.routes import _Numbered
 from server.streaming import DONE, SSEResponse, merge_streams, sse
 
 
@@ -19,14 +21,25 @@ class Chunk(BaseModel):
     text: str
 
 
+TEXT = "two\nlines\r\nand \u2028, \u2029 and \x85 separators"
+
+
 def test_an_event_is_one_data_line_whatever_its_text_holds():
-    text = "two\nlines\r\nand a \u2028 separator"
-    for payload in (Chunk(text=text), {"text": text}):
+    for payload in (Chunk(text=TEXT), {"text": TEXT}):
         event = sse(payload)
         assert event.startswith("data: ") and event.endswith("\n\n")
-        assert "\n" not in event[:-2] and "\r" not in event
-        assert json.loads(event.removeprefix("data: "))["text"] == text
+        [line] = event[:-2].splitlines()  # every separator str.splitlines and httpx break at
+        assert json.loads(line.removeprefix("data: "))["text"] == TEXT
     assert DONE == "data: [DONE]\n\n"
+
+
+def test_anthropic_and_responses_events_are_one_data_line_whatever_their_text_holds():
+    for framed in (
+        anthropic_event({"type": "x", "text": TEXT}),
+        _Numbered().sse({"type": "x", "text": TEXT}),
+    ):
+        head, data = framed[:-2].splitlines()
+        assert head == "event: x" and json.loads(data.removeprefix("data: "))["text"] == TEXT
 
 
 def test_a_stream_is_served_as_event_stream_and_closed_once():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 
+import httpx
 import pytest
 from transformers import AutoTokenizer
 
@@ -145,6 +146,20 @@ def test_streaming_n2_with_echo(tiny_server: str) -> None:
         for choice in chunk.choices:
             texts[choice.index] += choice.text
     assert all(text.startswith("Hi") and len(text) > 2 for text in texts.values())
+
+
+def test_a_streamed_text_with_unicode_line_separators_reads_line_by_line(
+    tiny_server: str,
+) -> None:
+    # httpx's `iter_lines`, like `str.splitlines`, breaks at U+0085, U+2028 and U+2029,
+    # which JSON may leave raw; a model's text holds them now and then.
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "echo": True, "stream": True}
+    with httpx.stream("POST", f"{tiny_server}/v1/completions", json=body, timeout=60) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line]
+    assert events[-1] == "[DONE]"
+    text = "".join(c["text"] for e in events[:-1] for c in json.loads(e)["choices"])
+    assert text.startswith(prompt)
 
 
 def test_curl_plain_and_streaming(tiny_server: str) -> None:
