@@ -28,8 +28,10 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    PretrainedConfig,
     PreTrainedModel,
 )
+from transformers.models.auto.modeling_auto import MODEL_MAPPING
 
 from engine import capabilities
 from engine.errors import ModelLoadError
@@ -215,10 +217,12 @@ class PoolingModel:
 
 
 def _load(folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedModel:
-    auto = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
+    auto: Any = AutoModelForSequenceClassification if spec.task == "classify" else AutoModel
     if spec.classifier_tokens is not None:
         auto = AutoModelForCausalLM  # a decoder reranker scores with its LM head's rows
     try:
+        if auto is AutoModel and spec.causal:
+            auto = _base_without_head(AutoConfig.from_pretrained(folder)) or auto
         model, info = auto.from_pretrained(folder, dtype=dtype, output_loading_info=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{folder}: {exc}") from None
@@ -226,6 +230,17 @@ def _load(folder: Path, spec: PoolingSpec, dtype: torch.dtype) -> PreTrainedMode
         missing = ", ".join(sorted(info["missing_keys"])[:4])
         raise ModelLoadError(f"{folder}: the checkpoint lacks weights its model needs: {missing}")
     return model
+
+
+def _base_without_head(config: PretrainedConfig) -> type[PreTrainedModel] | None:
+    """The base model class of `config`'s decoder, reading a causal LM's checkpoint without
+    reporting its LM head as unexpected (an embedder has no use for it); None where
+    transformers has no base model for the config."""
+    base = MODEL_MAPPING.get(type(config), None)
+    if not isinstance(base, type):  # none, or a choice among several
+        return None
+    ignored = [*(base._keys_to_ignore_on_load_unexpected or ()), r"^lm_head\."]
+    return type(base.__name__, (base,), {"_keys_to_ignore_on_load_unexpected": ignored})
 
 
 def _load_gguf(

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from transformers import (
     AutoModel,
+    AutoModelForCausalLM,
     BertConfig,
     BertModel,
     Gemma2Config,
@@ -128,6 +129,26 @@ def test_packed_decoder_texts_are_their_own_forwards_states_alone_and_batched(
             states = reference(input_ids=torch.tensor([text.token_ids])).last_hidden_state
         assert torch.allclose(vector, F.normalize(states[0, -1], dim=0), atol=1e-5)
         assert torch.equal(decoder.embed([text])[0], vector)
+
+
+def test_a_causal_lm_embeds_as_its_base_model_without_reporting_its_head(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+):
+    """A causal LM's checkpoint (its LM head untied, so saved) embeds as its base model's
+    states, and its head, which an embedder does not use, is not reported as unexpected."""
+    torch.manual_seed(0)
+    config = LlamaConfig(**DECODER_SHAPE, tie_word_embeddings=False)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    caplog.clear()
+    decoder = PoolingModel(
+        tmp_path, PoolingSpec(task="embed", pooling="last", causal=True), torch.float32
+    )
+    assert "lm_head" not in caplog.text
+    text = Text([5, 17, 42, 8])
+    reference = AutoModel.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        states = reference(input_ids=torch.tensor([text.token_ids])).last_hidden_state
+    assert torch.allclose(decoder.embed([text])[0], F.normalize(states[0, -1], dim=0), atol=1e-5)
 
 
 @pytest.mark.parametrize("pooling", ["cls", "mean"])
