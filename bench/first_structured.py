@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import httpx
 
+from bench.serve import sse_data
 from bench.tables import format_table
 
 SCHEMA = {
@@ -60,8 +61,8 @@ async def stream(
     }
     async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
         response.raise_for_status()
-        async for line in response.aiter_lines():
-            if line.startswith("data:") and '"text"' in line:
+        async for data in sse_data(response):
+            if '"text"' in data:
                 times.append(time.perf_counter())
 
 

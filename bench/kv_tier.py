@@ -43,7 +43,7 @@ import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.run_all import stop_server
-from bench.serve import WORDS
+from bench.serve import WORDS, sse_data
 from bench.tables import format_table, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -124,9 +124,8 @@ async def send(client: httpx.AsyncClient, url: str, model: str, prompt: str) -> 
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 return Result(error=f"HTTP {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
-                data = line.removeprefix("data:").strip()
-                if not line.startswith("data:") or data == "[DONE]":
+            async for data in sse_data(response):
+                if data == "[DONE]":
                     continue
                 chunk = json.loads(data)
                 if "error" in chunk:

@@ -40,7 +40,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.run_all import start_server, stop_server
-from bench.serve import WORDS, Stats
+from bench.serve import WORDS, Stats, sse_data
 from bench.tables import format_table, free_port
 
 CONFIG = Path("configs/default.yaml")
@@ -147,9 +147,8 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                 text = (await response.aread()).decode(errors="replace")
                 outcome.error = f"HTTP {response.status_code}: {text[:160]}"
                 return outcome
-            async for line in response.aiter_lines():
-                data = line.removeprefix("data: ")
-                if not line.startswith("data: ") or data == "[DONE]":
+            async for data in sse_data(response):
+                if data == "[DONE]":
                     continue
                 chunk = json.loads(data)
                 if "error" in chunk:

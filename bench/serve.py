@@ -32,9 +32,10 @@ import asyncio
 import json
 import os
 import random
+import re
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,23 @@ GROUNDED_REPETITION_PENALTY = 1.0
 # vLLM's counters of speculative decoding, as exposed (the acceptance length's inputs).
 SPEC_DRAFTS = "vllm:spec_decode_num_drafts_total"
 SPEC_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+
+
+# The line ends of server-sent events (CR, LF, CRLF), and no others: httpx's `aiter_lines`
+# also splits at U+0085, U+2028 and U+2029, which a server's JSON may hold raw.
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_data(response: httpx.Response) -> AsyncIterator[str]:
+    """The data of each `data:` line of a server-sent event stream, in order."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = _LINE_END.split(pending + text)
+        for line in lines:
+            if line.startswith("data:"):
+                yield line.removeprefix("data:").strip()
+    if pending.startswith("data:"):
+        yield pending.removeprefix("data:").strip()
 
 
 @dataclass(slots=True)
@@ -204,10 +222,7 @@ class Benchmark:
 
     @staticmethod
     async def _read_stream(response: httpx.Response, start: float, result: RequestResult) -> None:
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line.removeprefix("data:").strip()
+        async for data in sse_data(response):
             if data == "[DONE]":
                 break
             chunk = json.loads(data)

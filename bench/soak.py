@@ -43,7 +43,7 @@ import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.run_all import start_server, stop_server
-from bench.serve import Benchmark, make_prompts
+from bench.serve import Benchmark, make_prompts, sse_data
 from bench.tables import format_table, free_port
 
 QUARTERS = 4
@@ -147,10 +147,7 @@ class Soak:
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 return f"HTTP {response.status_code}: {detail}"
             chunks, finished = 0, False
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line.removeprefix("data:").strip()
+            async for data in sse_data(response):
                 if data == "[DONE]":
                     return None if finished else "[DONE] before any finish_reason"
                 chunk = json.loads(data)

@@ -136,6 +136,20 @@ def test_a_peer_without_usage_has_its_chunks_counted() -> None:
     assert bodies[0]["stream"] is True and bodies[0]["stream_options"] == {"include_usage": True}
 
 
+def test_a_peers_raw_unicode_line_separators_and_crlf_line_ends_read_as_one_event() -> None:
+    # JSON may hold U+0085, U+2028 and U+2029 raw (a peer's `ensure_ascii=False`); SSE
+    # splits lines at CR, LF and CRLF only.
+    texts = ("a\u2028b", "c\x85d", "e\u2029f")
+    events = [{"choices": [{"index": 0, "text": text}]} for text in texts]
+    body = "".join(f"data: {json.dumps(e, ensure_ascii=False)}\r\n\r\n" for e in events)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, content=(body + "data: [DONE]\r\n\r\n").encode())
+
+    report = _run_level(httpx.MockTransport(handler))
+    assert (report.successes, report.errors, report.output_tokens) == (4, 0, 12)
+
+
 def test_errors_are_counted_and_sampled() -> None:
     def handler(request: httpx.Request) -> httpx.Response:
         prompt = json.loads(request.content)["prompt"]
