@@ -1,7 +1,8 @@
 """An encoder's GGUF (llama.cpp's `bert` architecture: all-MiniLM, BGE, mxbai, Snowflake
-Arctic; `nomic-bert`: nomic-embed-text; as Ollama ships them) read as a
-sentence-transformers folder: its config, WordPiece tokenizer and pooling from the
-metadata, for the pooling engine (`engine/pooling`).
+Arctic, and the XLM-RoBERTa models written as `bert`: BGE-M3, multilingual-e5;
+`nomic-bert`: nomic-embed-text; as Ollama ships them) read as a sentence-transformers
+folder: its config, tokenizer and pooling from the metadata, for the pooling engine
+(`engine/pooling`).
 
 transformers reads no encoder's GGUF, so the folder is written here from llama.cpp's keys:
 `<arch>.*` for the shape (a `BertModel`, or a `NomicBertModel`: rotary positions, SwiGLU,
@@ -9,8 +10,10 @@ no biases), `<arch>.pooling_type` for the pooling (mean or CLS, normalized, as
 llama-server's `/v1/embeddings` returns them) and the vocabulary, which llama.cpp's
 converter stores with a "phantom space": a word-initial piece as "▁piece", a continuation
 as "piece" (WordPiece's "##piece"), control tokens as they are. Undoing that gives the
-WordPiece vocabulary back token for token. A file that pools otherwise (a reranker's RANK,
-LAST, none) is refused by name.
+WordPiece vocabulary back token for token. An XLM-RoBERTa's vocabulary is SentencePiece
+Unigram pieces with their scores (`tokenizer.ggml.model` "t5"), in the model's ids; its
+position table the converter trims to start at 0, so it too is a `BertModel`. A file that
+pools otherwise (a reranker's RANK, LAST, none) is refused by name.
 
 `parameter_names` names a nomic-bert file's tensors by `NomicBertModel`'s parameters (a
 BERT's are gguf's own name map's): its fused `attn_qkv` rows hold q's, k's and v's in turn.
@@ -24,7 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader, PoolingType, TokenType
-from transformers import BertConfig, BertTokenizer, NomicBertConfig, PretrainedConfig
+from transformers import (
+    BertConfig,
+    BertTokenizer,
+    NomicBertConfig,
+    PretrainedConfig,
+    XLMRobertaTokenizer,
+)
 
 from engine.errors import ModelLoadError, UnsupportedModelError
 
@@ -53,6 +62,9 @@ ST_MODULES = "sentence_transformers.models"
 SPECIAL_TOKENS = {
     "unk": "unknown", "sep": "seperator", "pad": "padding", "cls": "bos", "mask": "mask",
 }  # fmt: skip
+# XLMRobertaTokenizer's, and the id of its unknown piece.
+XLM_R_SPECIAL_TOKENS = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
+XLM_R_UNKNOWN_ID = 3
 
 
 def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
@@ -65,11 +77,22 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
             f"{path.name}: pooling {pooling.name} is not served for an encoder's GGUF (MEAN or CLS)"
         )
     tokens = field("tokenizer.ggml.tokens")
-    types = field("tokenizer.ggml.token_type")
-    if field("tokenizer.ggml.model") != "bert" or len(tokens) != len(types):
-        raise UnsupportedModelError(f"{path.name}: its tokenizer is not BERT's WordPiece")
+    model = field("tokenizer.ggml.model")
+    if model not in TOKENIZERS or len(tokens) != len(field("tokenizer.ggml.token_type")):
+        raise UnsupportedModelError(
+            f"{path.name}: its tokenizer is neither BERT's WordPiece nor XLM-RoBERTa's "
+            "SentencePiece Unigram"
+        )
     window = int(field(f"{architecture}.context_length"))
     _config(reader, path, field, architecture, window).save_pretrained(staging)
+    TOKENIZERS[model](path, field, tokens, window).save_pretrained(staging)
+    _write_json(staging / "sentence_bert_config.json", {"max_seq_length": window})
+    write_pooling_modules(staging, POOLING[pooling])
+
+
+def _wordpiece_tokenizer(path: Path, field, tokens: list[str], window: int) -> BertTokenizer:
+    """BERT's WordPiece tokenizer, each token's phantom space undone."""
+    types = field("tokenizer.ggml.token_type")
     vocab = [_wordpiece(token, kind) for token, kind in zip(tokens, types, strict=True)]
     if len(set(vocab)) != len(vocab):
         raise UnsupportedModelError(f"{path.name}: its vocabulary repeats a WordPiece token")
@@ -77,14 +100,43 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
         f"{role}_token": vocab[int(field(f"tokenizer.ggml.{key}_token_id"))]
         for role, key in SPECIAL_TOKENS.items()
     }
-    BertTokenizer(
+    return BertTokenizer(
         vocab={token: index for index, token in enumerate(vocab)},
         do_lower_case=bool(field("tokenizer.ggml.normalizer.lowercase", True)),
         model_max_length=window,
         **special,
-    ).save_pretrained(staging)
-    _write_json(staging / "sentence_bert_config.json", {"max_seq_length": window})
-    write_pooling_modules(staging, POOLING[pooling])
+    )
+
+
+def _unigram_tokenizer(path: Path, field, tokens: list[str], window: int) -> XLMRobertaTokenizer:
+    """XLM-RoBERTa's SentencePiece Unigram (llama.cpp's "t5" model in a `bert` file: BGE-M3,
+    multilingual-e5): the pieces and their scores in the model's ids, normalized by the
+    file's precompiled charsmap, runs of whitespace collapsed, a space put before the text
+    where the file says. XLMRobertaTokenizer takes its unknown piece at id 3, as the
+    converter puts it; the special pieces are the file's."""
+    if int(field("tokenizer.ggml.unknown_token_id")) != XLM_R_UNKNOWN_ID:
+        raise UnsupportedModelError(f"{path.name}: its unknown piece is not at id 3, as XLM-R's")
+    if not field("tokenizer.ggml.remove_extra_whitespaces", True):
+        raise UnsupportedModelError(f"{path.name}: its tokenizer keeps runs of whitespace")
+    special = {
+        f"{role}_token": tokens[int(field(f"tokenizer.ggml.{key}_token_id"))]
+        for role, key in XLM_R_SPECIAL_TOKENS.items()
+    }
+    # The converter writes no "<mask>" piece (the mask's id holds a filler): a mask only
+    # where the file's is a control piece.
+    mask = int(field("tokenizer.ggml.mask_token_id", -1))
+    control = mask >= 0 and field("tokenizer.ggml.token_type")[mask] == TokenType.CONTROL
+    charsmap = bytes(field("tokenizer.ggml.precompiled_charsmap", []))
+    # tokenizers' Precompiled normalizer takes the charsmap's bytes (transformers' annotation
+    # says str); no mask_token keeps "<mask>" from being added past the vocabulary.
+    return XLMRobertaTokenizer(
+        vocab=list(zip(tokens, map(float, field("tokenizer.ggml.scores")), strict=True)),
+        add_prefix_space=bool(field("tokenizer.ggml.add_space_prefix", True)),
+        _spm_precompiled_charsmap=charsmap or None,  # type: ignore[arg-type]
+        mask_token=tokens[mask] if control else None,  # type: ignore[arg-type]
+        model_max_length=window,
+        **special,
+    )
 
 
 def write_decoder_pooling(reader: GGUFReader, path: Path, architecture: str, staging: Path) -> None:
@@ -151,6 +203,10 @@ def parameter_names(architecture: str, layers: int) -> dict[str, str | tuple[str
                 fused = not isinstance(target, str)
                 names[f"{stored.format(bid=bid)}.{suffix}"] = named if fused else named[0]
     return names
+
+
+# `tokenizer.ggml.model` -> the tokenizer written for it.
+TOKENIZERS = {"bert": _wordpiece_tokenizer, "t5": _unigram_tokenizer}
 
 
 def _wordpiece(token: str, kind: int) -> str:

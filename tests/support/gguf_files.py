@@ -11,10 +11,13 @@ is the tiny models' byte-level BPE (384 tokens, tests/support/tiny_models.py).
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
 import numpy as np
+import sentencepiece as spm
+import torch
 from gguf import (
     MODEL_ARCH,
     GGMLQuantizationType,
@@ -25,8 +28,17 @@ from gguf import (
 )
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import AutoTokenizer, BertConfig, BertModel, NomicBertModel
+from sentencepiece import sentencepiece_model_pb2
+from transformers import (
+    AutoTokenizer,
+    BertConfig,
+    BertModel,
+    NomicBertModel,
+    XLMRobertaConfig,
+    XLMRobertaModel,
+)
 
+from engine.model.gguf_encoder import write_pooling_modules
 from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
 # The types pagedserve's kernel computes as stored.
@@ -247,18 +259,94 @@ def write_nomic_bert_gguf(
     return _close(writer, path)
 
 
+def build_xlm_roberta_folder(folder: Path) -> Path:
+    """A random XLMRobertaModel (mean pooling) with a SentencePiece Unigram tokenizer trained
+    on a few languages, as XLM-R's is (`sentencepiece.bpe.model`, its NFKC charsmap), read
+    by transformers' own conversion."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(XLM_R_CORPUS * 20), model_writer=model, model_type="unigram",
+        vocab_size=300, hard_vocab_limit=False, character_coverage=1.0, minloglevel=2,
+    )  # fmt: skip
+    (folder / "sentencepiece.bpe.model").write_bytes(model.getvalue())
+    (folder / "tokenizer_config.json").write_text('{"tokenizer_class": "XLMRobertaTokenizer"}')
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    torch.manual_seed(0)
+    config = XLMRobertaConfig(
+        vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        intermediate_size=128, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
+        architectures=["XLMRobertaModel"],
+    )  # fmt: skip
+    XLMRobertaModel(config).save_pretrained(folder)
+    write_pooling_modules(folder, "mean")
+    return folder
+
+
+XLM_R_CORPUS = [
+    "A river bank at night.", "Whales migrate across oceans; unbelievably, they sing.",
+    "Der schnelle braune Fuchs springt über den faulen Hund.", "Héllo WORLD, naïve café!",
+    "Le renard brun rapide saute par-dessus le chien paresseux.", "東京の夜は明るい。",
+    "Быстрая коричневая лиса прыгает через ленивую собаку.",
+]  # fmt: skip
+
+
+def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> Path:
+    """The XLM-RoBERTa model of `folder` as llama.cpp's converter writes BGE-M3: a `bert`
+    file whose positions start at 0 (the table's rows from pad + 1 on), its tokenizer a
+    "t5" (Unigram) vocabulary in the model's ids from `sentencepiece.bpe.model`: "<s>",
+    "<pad>", "</s>", "<unk>", then the pieces from the third on, a filler at the end (where
+    transformers puts "<mask>"), with the scores, types and charsmap of the pieces."""
+    config = XLMRobertaConfig.from_pretrained(folder)
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((folder / "sentencepiece.bpe.model").read_bytes())
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    pieces += [
+        (f"[PAD{i}]", -10000.0, TokenType.UNUSED) for i in range(len(pieces), config.vocab_size)
+    ]
+    control, unknown = TokenType.CONTROL, TokenType.UNKNOWN
+    head = [
+        ("<s>", 0.0, control),
+        ("<pad>", 0.0, control),
+        ("</s>", 0.0, control),
+        ("<unk>", 0.0, unknown),
+    ]
+    tokens, scores, types = zip(*(head + pieces[3:-1]), strict=True)
+    offset = config.pad_token_id + 1
+    writer = _encoder_metadata(config, path, "bert", PoolingType.MEAN, offset)
+    writer.add_tokenizer_model("t5")
+    writer.add_token_list(list(tokens))
+    writer.add_token_scores(list(scores))
+    writer.add_token_types(list(types))
+    writer.add_add_space_prefix(proto.normalizer_spec.add_dummy_prefix)
+    writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
+    writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
+    writer.add_token_type_count(config.type_vocab_size)
+    for add, token in ((writer.add_bos_token_id, 0), (writer.add_eos_token_id, 2),
+                       (writer.add_unk_token_id, 3), (writer.add_pad_token_id, 1),
+                       (writer.add_mask_token_id, config.vocab_size - 1)):  # fmt: skip
+        add(token)
+    names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
+    for hf_name, value in XLMRobertaModel.from_pretrained(folder).state_dict().items():
+        base, _, suffix = hf_name.rpartition(".")
+        name = names.get_name(base)
+        if name is None:  # the pooler, which llama.cpp's converter drops
+            continue
+        data = value.numpy()[offset:] if name == "position_embd" else value.numpy()
+        kind = "F32" if name in ("position_embd", "token_types") else ggml_type
+        _add_tensor(writer, f"{name}.{suffix}", data, kind)
+    return _close(writer, path)
+
+
 def _encoder_writer(config, tokenizer, path: Path, arch: str, pooling: PoolingType) -> GGUFWriter:
     """A writer holding an encoder's metadata and WordPiece vocabulary, as the converter's."""
-    writer = GGUFWriter(path, arch)
-    writer.add_name(path.stem)
-    writer.add_context_length(config.max_position_embeddings)
+    writer = _encoder_metadata(config, path, arch, pooling)
     writer.add_embedding_length(config.hidden_size)
     writer.add_feed_forward_length(config.intermediate_size)
     writer.add_block_count(config.num_hidden_layers)
     writer.add_head_count(config.num_attention_heads)
     writer.add_layer_norm_eps(config.layer_norm_eps)
-    writer.add_causal_attention(False)
-    writer.add_pooling_type(pooling)
     special = set(tokenizer.all_special_tokens)
     by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     writer.add_tokenizer_model("bert")
@@ -276,6 +364,24 @@ def _encoder_writer(config, tokenizer, path: Path, arch: str, pooling: PoolingTy
     writer.add_pad_token_id(tokenizer.pad_token_id)
     writer.add_mask_token_id(tokenizer.mask_token_id)
     writer.add_bool("tokenizer.ggml.normalizer.lowercase", tokenizer.do_lower_case)
+    return writer
+
+
+def _encoder_metadata(
+    config, path: Path, arch: str, pooling: PoolingType, position_offset: int = 0
+) -> GGUFWriter:
+    """A writer holding an encoder's shape and pooling; its window the position table's
+    rows from `position_offset` on."""
+    writer = GGUFWriter(path, arch)
+    writer.add_name(path.stem)
+    writer.add_context_length(config.max_position_embeddings - position_offset)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(pooling)
     return writer
 
 

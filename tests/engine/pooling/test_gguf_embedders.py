@@ -25,7 +25,14 @@ from engine.linears.quantized_linear import QuantizedLinear
 from engine.model.loader import resolve_model_folder
 from engine.pooling.async_pooler import AsyncPooler, pooling_model
 from engine.pooling.model import PoolingModel, Text
-from tests.support.gguf_files import write_bert_gguf, write_gguf, write_nomic_bert_gguf
+from engine.pooling.spec import pooling_spec
+from tests.support.gguf_files import (
+    build_xlm_roberta_folder,
+    write_bert_gguf,
+    write_gguf,
+    write_nomic_bert_gguf,
+    write_xlm_roberta_gguf,
+)
 
 # Cased, accented, CJK and punctuated text: the GGUF's vocabulary and lowercasing must
 # give the folder's tokenizer's ids.
@@ -59,10 +66,10 @@ def _pooling_model(path: Path, quantization: str = "auto", **config: object) -> 
     return PoolingModel(folder, spec, torch.float32, None if mode == "none" else mode, path)
 
 
-def _ids(path: Path) -> list[list[int]]:
-    """The TEXTS' token ids by the file's tokenizer."""
+def _ids(path: Path, texts: list[str] = TEXTS) -> list[list[int]]:
+    """The texts' token ids by the file's tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_folder(str(path))[0])
-    return [tokenizer(text)["input_ids"] for text in TEXTS]
+    return [tokenizer(text)["input_ids"] for text in texts]
 
 
 def test_a_bert_gguf_embeds_as_its_folder(minilm: Path, tmp_path: Path, cache: Path):
@@ -132,6 +139,29 @@ def test_a_decoders_gguf_reranks_in_its_pooling_model(tmp_path: Path, cache: Pat
     got, want = torch.cat(own.classify(texts)), torch.cat(dense.classify(texts))
     assert torch.allclose(got, want, atol=0.05 * want.abs().max().item())
     assert not torch.equal(got, want)
+
+
+# Beside TEXTS: whitespace to collapse, characters the charsmap maps (NFKC), and a filler
+# piece's name. "<mask>" is left out: the converter writes no piece for it.
+XLM_R_TEXTS = [
+    *(text for text in TEXTS if len(text) < 100), "  leading,   inner\tand trailing  ",
+    "① ﬁne Ｆｕｌｌ width, Ⅻ", "<s> literal </s> and [PAD119]", "money " * 10,
+]  # fmt: skip
+
+
+def test_an_xlm_roberta_gguf_embeds_as_its_folder(tmp_path: Path, cache: Path):
+    """BGE-M3's layout (a `bert` file with a SentencePiece Unigram tokenizer, its positions
+    from 0): the folder's token ids for every text, and in F32 its embeddings bit for bit."""
+    folder = build_xlm_roberta_folder(tmp_path / "xlm-r")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    want = PoolingModel(folder, pooling_spec(folder), torch.float32)  # type: ignore[arg-type]
+    path = write_xlm_roberta_gguf(folder, tmp_path / "xlm-r.gguf", "F32")
+    got = _pooling_model(path, "none")
+    assert got.config.model_type == "bert" and want.config.model_type == "xlm-roberta"
+    ids = [tokenizer(text)["input_ids"] for text in XLM_R_TEXTS]
+    assert _ids(path, XLM_R_TEXTS) == ids
+    texts = [Text(text_ids) for text_ids in ids]
+    assert torch.equal(torch.stack(got.embed(texts)), torch.stack(want.embed(texts)))
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.RANK, PoolingType.LAST, PoolingType.NONE])
