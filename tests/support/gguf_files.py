@@ -323,10 +323,11 @@ def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> 
     writer.add_remove_extra_whitespaces(proto.normalizer_spec.remove_extra_whitespaces)
     writer.add_precompiled_charsmap(proto.normalizer_spec.precompiled_charsmap)
     writer.add_token_type_count(config.type_vocab_size)
-    for add, token in ((writer.add_bos_token_id, 0), (writer.add_eos_token_id, 2),
-                       (writer.add_unk_token_id, 3), (writer.add_pad_token_id, 1),
-                       (writer.add_mask_token_id, config.vocab_size - 1)):  # fmt: skip
-        add(token)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(3)
+    writer.add_pad_token_id(1)
+    writer.add_mask_token_id(config.vocab_size - 1)  # transformers' "<mask>", a filler here
     names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
     for hf_name, value in XLMRobertaModel.from_pretrained(folder).state_dict().items():
         base, _, suffix = hf_name.rpartition(".")
@@ -342,11 +343,6 @@ def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> 
 def _encoder_writer(config, tokenizer, path: Path, arch: str, pooling: PoolingType) -> GGUFWriter:
     """A writer holding an encoder's metadata and WordPiece vocabulary, as the converter's."""
     writer = _encoder_metadata(config, path, arch, pooling)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_head_count(config.num_attention_heads)
-    writer.add_layer_norm_eps(config.layer_norm_eps)
     special = set(tokenizer.all_special_tokens)
     by_id = sorted(tokenizer.get_vocab().items(), key=lambda item: item[1])
     writer.add_tokenizer_model("bert")
