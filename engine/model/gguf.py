@@ -130,8 +130,7 @@ class GgufFile:
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(
             config=model.config.to_dict()
         )
-        layers = model.config.get_text_config().num_hidden_layers
-        names = parameter_names(self.architecture, layers) or _parameter_names(
+        names = parameter_names(self.architecture, model) or _parameter_names(
             model, processor, self.architecture
         )
         tensors = {}

@@ -12,8 +12,10 @@ converter stores with a "phantom space": a word-initial piece as "▁piece", a c
 as "piece" (WordPiece's "##piece"), control tokens as they are. Undoing that gives the
 WordPiece vocabulary back token for token. An XLM-RoBERTa's vocabulary is SentencePiece
 Unigram pieces with their scores (`tokenizer.ggml.model` "t5"), in the model's ids; its
-position table the converter trims to start at 0, so it too is a `BertModel`. A file that
-pools otherwise (a reranker's RANK, LAST, none) is refused by name.
+position table the converter trims to start at 0, so it too is a `BertModel`. A `bert`
+file with a head of two layers (`cls`, tanh, `cls.output`: bge-reranker-v2-m3's) that
+names RANK or no pooling is a reranker, a `BertForSequenceClassification` whose pooler is
+the head's first layer (`parameter_names`). A file that pools otherwise is refused by name.
 
 `parameter_names` names a nomic-bert file's tensors by `NomicBertModel`'s parameters (a
 BERT's are gguf's own name map's): its fused `attn_qkv` rows hold q's, k's and v's in turn.
@@ -26,12 +28,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, PoolingType, TokenType
+from gguf import MODEL_ARCH, GGUFReader, PoolingType, TokenType, get_tensor_name_map
 from transformers import (
     BertConfig,
     BertTokenizer,
     NomicBertConfig,
     PretrainedConfig,
+    PreTrainedModel,
     XLMRobertaTokenizer,
 )
 
@@ -68,13 +71,18 @@ XLM_R_UNKNOWN_ID = 3
 
 
 def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architecture: str) -> None:
-    """Write the encoder GGUF's config, tokenizer, `modules.json` (Transformer, Pooling,
-    Normalize) and window into `staging`."""
+    """Write the encoder GGUF's config, tokenizer, window and, for an embedder,
+    `modules.json` (Transformer, Pooling, Normalize) into `staging`."""
     field = partial(metadata_field, reader, path)
-    pooling = PoolingType(field(f"{architecture}.pooling_type", PoolingType.CLS.value))
-    if pooling not in POOLING:
+    # A reranker's file names RANK, or no pooling (llama.cpp's converter writes none for a
+    # sequence classifier; llama-server ranks where started with --reranking).
+    named = int(field(f"{architecture}.pooling_type", -1))
+    labels = _reranker_labels(reader, architecture) if named in (-1, PoolingType.RANK) else 0
+    pooling = PoolingType.CLS if named == -1 else PoolingType(named)
+    if pooling not in POOLING and not labels:
         raise UnsupportedModelError(
-            f"{path.name}: pooling {pooling.name} is not served for an encoder's GGUF (MEAN or CLS)"
+            f"{path.name}: pooling {pooling.name} is not served for an encoder's GGUF (MEAN or "
+            "CLS, or RANK with a head of two layers: 'cls' and 'cls.output')"
         )
     tokens = field("tokenizer.ggml.tokens")
     model = field("tokenizer.ggml.model")
@@ -84,10 +92,26 @@ def write_encoder_folder(reader: GGUFReader, path: Path, staging: Path, architec
             "SentencePiece Unigram"
         )
     window = int(field(f"{architecture}.context_length"))
-    _config(reader, path, field, architecture, window).save_pretrained(staging)
+    config = _config(reader, path, field, architecture, window)
+    if labels:  # a cross-encoder: BERT's pooler is the head's first layer
+        config.architectures, config.num_labels = ["BertForSequenceClassification"], labels
+    config.save_pretrained(staging)
     TOKENIZERS[model](path, field, tokens, window).save_pretrained(staging)
     _write_json(staging / "sentence_bert_config.json", {"max_seq_length": window})
-    write_pooling_modules(staging, POOLING[pooling])
+    if not labels:
+        write_pooling_modules(staging, POOLING[pooling])
+
+
+def _reranker_labels(reader: GGUFReader, architecture: str) -> int:
+    """A `bert` reranker's labels: the rows of its head's output layer, where the head is
+    two layers (`cls`, then tanh, then `cls.output`: XLM-RoBERTa's and RoBERTa's, as
+    bge-reranker-v2-m3's); 0 where it is not."""
+    if architecture != "bert":
+        return 0
+    shapes = {t.name: t.shape for t in reader.tensors}
+    if "cls.weight" not in shapes or "cls.output.weight" not in shapes:
+        return 0
+    return int(shapes["cls.output.weight"][-1])
 
 
 def _wordpiece_tokenizer(path: Path, field, tokens: list[str], window: int) -> BertTokenizer:
@@ -189,11 +213,17 @@ def _config(
     return NomicBertConfig(architectures=["NomicBertModel"], rope_parameters=rope, **shape)
 
 
-def parameter_names(architecture: str, layers: int) -> dict[str, str | tuple[str, ...]] | None:
+def parameter_names(
+    architecture: str, model: PreTrainedModel
+) -> dict[str, str | tuple[str, ...]] | None:
     """A nomic-bert file's tensor names -> NomicBertModel's parameter names (a tuple: the
-    rows in equal parts); None for another architecture (gguf's own name map names it)."""
+    rows in equal parts), or a bert reranker's -> BertForSequenceClassification's; None
+    for another model (gguf's own name map names it)."""
+    if architecture == "bert" and model.config.architectures == ["BertForSequenceClassification"]:
+        return _bert_reranker_names(model)
     if architecture != "nomic-bert":
         return None
+    layers = model.config.num_hidden_layers
     names: dict[str, str | tuple[str, ...]] = {}
     for stored, target in NOMIC_BERT_NAMES.items():
         for bid in range(layers) if "{bid}" in stored else (0,):
@@ -202,6 +232,24 @@ def parameter_names(architecture: str, layers: int) -> dict[str, str | tuple[str
                 named = tuple(f"{part.format(bid=bid)}.{suffix}" for part in parts)
                 fused = not isinstance(target, str)
                 names[f"{stored.format(bid=bid)}.{suffix}"] = named if fused else named[0]
+    return names
+
+
+def _bert_reranker_names(model: PreTrainedModel) -> dict[str, str | tuple[str, ...]]:
+    """A bert reranker's tensors -> BertForSequenceClassification's parameters: its
+    encoder's by gguf's name map, the head's first layer (`cls`) as BERT's pooler and its
+    output layer (`cls.output`) as the classifier."""
+    prefix = model.base_model_prefix
+    name_map = get_tensor_name_map(MODEL_ARCH.BERT, model.config.num_hidden_layers)
+    names: dict[str, str | tuple[str, ...]] = {}
+    for hf_name in model.base_model.state_dict():
+        base, _, suffix = hf_name.rpartition(".")
+        stored = name_map.get_name(base)
+        if stored is not None:
+            names[f"{stored}.{suffix}"] = f"{prefix}.{hf_name}"
+    for suffix in ("weight", "bias"):
+        names[f"cls.{suffix}"] = f"{prefix}.pooler.dense.{suffix}"
+        names[f"cls.output.{suffix}"] = f"classifier.{suffix}"
     return names
 
 

@@ -246,12 +246,16 @@ def _base_without_head(config: PretrainedConfig) -> type[PreTrainedModel] | None
 def _load_gguf(
     path: Path, folder: Path, spec: PoolingSpec, dtype: torch.dtype, install: Install | None
 ) -> PreTrainedModel:
-    """An embedder's GGUF, dequantized to `dtype` (or put in by `install`): a BERT as its
-    encoder without the pooler (which embeddings do not use, and llama.cpp's converter
-    drops), a decoder as its causal LM, whose base model embeds."""
+    """A pooling model's GGUF, dequantized to `dtype` (or put in by `install`): a BERT
+    embedder as its encoder without the pooler (which embeddings do not use, and llama.cpp's
+    converter drops), a BERT reranker as a sequence classifier (its head's first layer the
+    pooler), a decoder as its causal LM, whose base model embeds."""
     config = AutoConfig.from_pretrained(folder)
     if spec.causal:
         return load_gguf(path, folder, config, dtype, install=install)[0]
+    if spec.task == "classify":
+        auto = AutoModelForSequenceClassification
+        return load_gguf(path, folder, config, dtype, install=install, auto=auto)[0]
     encoder = load_gguf(
         path, folder, config, dtype, install=install, auto=AutoModel, add_pooling_layer=False
     )  # fmt: skip

@@ -35,6 +35,7 @@ from transformers import (
     BertModel,
     NomicBertModel,
     XLMRobertaConfig,
+    XLMRobertaForSequenceClassification,
     XLMRobertaModel,
 )
 
@@ -259,10 +260,11 @@ def write_nomic_bert_gguf(
     return _close(writer, path)
 
 
-def build_xlm_roberta_folder(folder: Path) -> Path:
-    """A random XLMRobertaModel (mean pooling) with a SentencePiece Unigram tokenizer trained
-    on a few languages, as XLM-R's is (`sentencepiece.bpe.model`, its NFKC charsmap), read
-    by transformers' own conversion."""
+def build_xlm_roberta_folder(folder: Path, reranker: bool = False) -> Path:
+    """A random XLMRobertaModel (mean pooling), or a reranker (XLMRobertaForSequenceClassification
+    of one label, as bge-reranker-v2-m3), with a SentencePiece Unigram tokenizer trained on
+    a few languages, as XLM-R's is (`sentencepiece.bpe.model`, its NFKC charsmap), read by
+    transformers' own conversion."""
     folder.mkdir(parents=True, exist_ok=True)
     model = io.BytesIO()
     spm.SentencePieceTrainer.train(
@@ -277,10 +279,13 @@ def build_xlm_roberta_folder(folder: Path) -> Path:
     config = XLMRobertaConfig(
         vocab_size=len(tokenizer), hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
         intermediate_size=128, max_position_embeddings=130, type_vocab_size=1, pad_token_id=1,
-        architectures=["XLMRobertaModel"],
+        num_labels=1,
     )  # fmt: skip
-    XLMRobertaModel(config).save_pretrained(folder)
-    write_pooling_modules(folder, "mean")
+    if reranker:
+        XLMRobertaForSequenceClassification(config).save_pretrained(folder)
+    else:
+        XLMRobertaModel(config).save_pretrained(folder)
+        write_pooling_modules(folder, "mean")
     return folder
 
 
@@ -292,13 +297,18 @@ XLM_R_CORPUS = [
 ]  # fmt: skip
 
 
-def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> Path:
+def write_xlm_roberta_gguf(
+    folder: Path, path: Path, ggml_type: str = "F32", rank_named: bool = False
+) -> Path:
     """The XLM-RoBERTa model of `folder` as llama.cpp's converter writes BGE-M3: a `bert`
     file whose positions start at 0 (the table's rows from pad + 1 on), its tokenizer a
     "t5" (Unigram) vocabulary in the model's ids from `sentencepiece.bpe.model`: "<s>",
     "<pad>", "</s>", "<unk>", then the pieces from the third on, a filler at the end (where
-    transformers puts "<mask>"), with the scores, types and charsmap of the pieces."""
+    transformers puts "<mask>"), with the scores, types and charsmap of the pieces. A
+    reranker's file names no pooling, as the converter writes it, or RANK where
+    `rank_named`; its labels' names."""
     config = XLMRobertaConfig.from_pretrained(folder)
+    reranker = config.architectures == ["XLMRobertaForSequenceClassification"]
     proto = sentencepiece_model_pb2.ModelProto()
     proto.ParseFromString((folder / "sentencepiece.bpe.model").read_bytes())
     pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
@@ -314,7 +324,10 @@ def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> 
     ]
     tokens, scores, types = zip(*(head + pieces[3:-1]), strict=True)
     offset = config.pad_token_id + 1
-    writer = _encoder_metadata(config, path, "bert", PoolingType.MEAN, offset)
+    pooling = PoolingType.MEAN if not reranker else PoolingType.RANK if rank_named else None
+    writer = _encoder_metadata(config, path, "bert", pooling, offset)
+    if reranker:
+        writer.add_classifier_output_labels([config.id2label[0]])
     writer.add_tokenizer_model("t5")
     writer.add_token_list(list(tokens))
     writer.add_token_scores(list(scores))
@@ -329,8 +342,12 @@ def write_xlm_roberta_gguf(folder: Path, path: Path, ggml_type: str = "F32") -> 
     writer.add_pad_token_id(1)
     writer.add_mask_token_id(config.vocab_size - 1)  # transformers' "<mask>", a filler here
     names = get_tensor_name_map(MODEL_ARCH.BERT, config.num_hidden_layers)
-    for hf_name, value in XLMRobertaModel.from_pretrained(folder).state_dict().items():
-        base, _, suffix = hf_name.rpartition(".")
+    model = (XLMRobertaForSequenceClassification if reranker else XLMRobertaModel).from_pretrained(
+        folder
+    )
+    for hf_name, value in model.state_dict().items():
+        # A reranker's head: classifier.dense is `cls`, classifier.out_proj `cls.output`.
+        base, _, suffix = hf_name.removeprefix("roberta.").rpartition(".")
         name = names.get_name(base)
         if name is None:  # the pooler, which llama.cpp's converter drops
             continue
@@ -364,10 +381,10 @@ def _encoder_writer(config, tokenizer, path: Path, arch: str, pooling: PoolingTy
 
 
 def _encoder_metadata(
-    config, path: Path, arch: str, pooling: PoolingType, position_offset: int = 0
+    config, path: Path, arch: str, pooling: PoolingType | None, position_offset: int = 0
 ) -> GGUFWriter:
-    """A writer holding an encoder's shape and pooling; its window the position table's
-    rows from `position_offset` on."""
+    """A writer holding an encoder's shape and pooling (None: not named); its window the
+    position table's rows from `position_offset` on."""
     writer = GGUFWriter(path, arch)
     writer.add_name(path.stem)
     writer.add_context_length(config.max_position_embeddings - position_offset)
@@ -377,7 +394,8 @@ def _encoder_metadata(
     writer.add_head_count(config.num_attention_heads)
     writer.add_layer_norm_eps(config.layer_norm_eps)
     writer.add_causal_attention(False)
-    writer.add_pooling_type(pooling)
+    if pooling is not None:
+        writer.add_pooling_type(pooling)
     return writer
 
 

@@ -14,7 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import PoolingType
-from transformers import AutoModel, AutoTokenizer, NomicBertConfig, NomicBertModel
+from transformers import (
+    AutoModel,
+    AutoTokenizer,
+    NomicBertConfig,
+    NomicBertModel,
+    XLMRobertaForSequenceClassification,
+)
 
 from engine import capabilities
 from engine.config import EngineConfig
@@ -162,6 +168,33 @@ def test_an_xlm_roberta_gguf_embeds_as_its_folder(tmp_path: Path, cache: Path):
     assert _ids(path, XLM_R_TEXTS) == ids
     texts = [Text(text_ids) for text_ids in ids]
     assert torch.equal(torch.stack(got.embed(texts)), torch.stack(want.embed(texts)))
+
+
+@pytest.mark.parametrize("rank_named", [False, True])
+def test_an_xlm_roberta_reranker_gguf_scores_pairs_as_transformers(
+    tmp_path: Path, cache: Path, rank_named: bool
+):
+    """bge-reranker-v2-m3's layout (the head's dense layer `cls` and output layer
+    `cls.output`; no pooling named, as the converter writes it, or RANK): each (query,
+    document) pair's logit equals XLMRobertaForSequenceClassification's on the folder's
+    pair ids, to 1e-5."""
+    folder = build_xlm_roberta_folder(tmp_path / "reranker", reranker=True)
+    path = write_xlm_roberta_gguf(folder, tmp_path / "reranker.gguf", "F32", rank_named)
+    pairs = [("Where do whales sing?", text) for text in XLM_R_TEXTS]
+    config = EngineConfig(model=str(path), dtype="float32")
+    pooler = AsyncPooler(config, pooling_model(config))  # type: ignore[arg-type]
+    try:
+        texts = pooler.encode(pairs, None)
+        got = torch.stack(asyncio.run(pooler.run(texts)))
+    finally:
+        asyncio.run(pooler.shutdown())
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    assert [t.token_ids for t in texts] == [tokenizer(*pair)["input_ids"] for pair in pairs]
+    reference = XLMRobertaForSequenceClassification.from_pretrained(folder).eval()
+    with torch.inference_mode():
+        want = [reference(input_ids=torch.tensor([t.token_ids])).logits[0] for t in texts]
+    assert got.shape == (len(pairs), 1)
+    assert torch.allclose(got, torch.stack(want), atol=1e-5)
 
 
 @pytest.mark.parametrize("pooling", [PoolingType.RANK, PoolingType.LAST, PoolingType.NONE])
