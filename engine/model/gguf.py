@@ -49,6 +49,7 @@ from engine.errors import ModelLoadError, UnsupportedModelError
 from engine.first_use import build_once
 from engine.model.gguf_encoder import (
     ENCODER_ARCHITECTURES,
+    head_names,
     metadata_field,
     parameter_names,
     write_decoder_pooling,
@@ -130,9 +131,10 @@ class GgufFile:
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(
             config=model.config.to_dict()
         )
-        names = parameter_names(self.architecture, model) or _parameter_names(
-            model, processor, self.architecture
-        )
+        names = parameter_names(self.architecture, model) or {
+            **_parameter_names(model, processor, self.architecture),
+            **head_names(self.architecture, model),
+        }
         tensors = {}
         for entry in self.index:
             name, ggml_type, shape = entry[:3]
@@ -183,14 +185,19 @@ def _parameter_names(
     model: PreTrainedModel, processor: TensorProcessor, architecture: str
 ) -> dict[str, str]:
     """GGUF tensor name -> the model's parameter name: gguf's name map, built once (as
-    `get_gguf_hf_weights_map` reads it, which builds it again for every submodule)."""
+    `get_gguf_hf_weights_map` reads it, which builds it again for every submodule), a
+    name it lacks tried again without the base model's prefix (a sequence classifier's
+    `bert.`)."""
     arch = next(key for key, value in MODEL_ARCH_NAMES.items() if value == architecture)
     name_map = get_tensor_name_map(arch, model.config.get_text_config().num_hidden_layers)
+    prefix = f"{model.base_model_prefix}."
     names: dict[str, str] = {}
     for hf_name in model.state_dict():
         name = processor.preprocess_name(hf_name)
         base, dot, suffix = name.rpartition(".")
-        gguf_name = name_map.get_name(base) if suffix in ("weight", "bias") else None
+        gguf_name = None
+        if suffix in ("weight", "bias"):
+            gguf_name = name_map.get_name(base) or name_map.get_name(base.removeprefix(prefix))
         if gguf_name is None:
             processor.perform_fallback_tensor_mapping(names, f"{dot}{suffix}", "", name)
             continue

@@ -15,7 +15,7 @@ Unigram pieces with their scores (`tokenizer.ggml.model` "t5"), in the model's i
 position table the converter trims to start at 0, so it too is a `BertModel`. A `bert`
 file with a head of two layers (`cls`, tanh, `cls.output`: bge-reranker-v2-m3's) that
 names RANK or no pooling is a reranker, a `BertForSequenceClassification` whose pooler is
-the head's first layer (`parameter_names`). A file that pools otherwise is refused by name.
+the head's first layer (`head_names`). A file that pools otherwise is refused by name.
 
 `parameter_names` names a nomic-bert file's tensors by `NomicBertModel`'s parameters (a
 BERT's are gguf's own name map's): its fused `attn_qkv` rows hold q's, k's and v's in turn.
@@ -28,7 +28,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from gguf import MODEL_ARCH, GGUFReader, PoolingType, TokenType, get_tensor_name_map
+from gguf import GGUFReader, PoolingType, TokenType
 from transformers import (
     BertConfig,
     BertTokenizer,
@@ -217,10 +217,7 @@ def parameter_names(
     architecture: str, model: PreTrainedModel
 ) -> dict[str, str | tuple[str, ...]] | None:
     """A nomic-bert file's tensor names -> NomicBertModel's parameter names (a tuple: the
-    rows in equal parts), or a bert reranker's -> BertForSequenceClassification's; None
-    for another model (gguf's own name map names it)."""
-    if architecture == "bert" and model.config.architectures == ["BertForSequenceClassification"]:
-        return _bert_reranker_names(model)
+    rows in equal parts); None for another model (gguf's own name map names it)."""
     if architecture != "nomic-bert":
         return None
     layers = model.config.num_hidden_layers
@@ -235,22 +232,18 @@ def parameter_names(
     return names
 
 
-def _bert_reranker_names(model: PreTrainedModel) -> dict[str, str | tuple[str, ...]]:
-    """A bert reranker's tensors -> BertForSequenceClassification's parameters: its
-    encoder's by gguf's name map, the head's first layer (`cls`) as BERT's pooler and its
-    output layer (`cls.output`) as the classifier."""
-    prefix = model.base_model_prefix
-    name_map = get_tensor_name_map(MODEL_ARCH.BERT, model.config.num_hidden_layers)
-    names: dict[str, str | tuple[str, ...]] = {}
-    for hf_name in model.base_model.state_dict():
-        base, _, suffix = hf_name.rpartition(".")
-        stored = name_map.get_name(base)
-        if stored is not None:
-            names[f"{stored}.{suffix}"] = f"{prefix}.{hf_name}"
-    for suffix in ("weight", "bias"):
-        names[f"cls.{suffix}"] = f"{prefix}.pooler.dense.{suffix}"
-        names[f"cls.output.{suffix}"] = f"classifier.{suffix}"
-    return names
+def head_names(architecture: str, model: PreTrainedModel) -> dict[str, str]:
+    """A bert reranker's head -> BertForSequenceClassification's: its first layer (`cls`)
+    as BERT's pooler, its output layer (`cls.output`) as the classifier, where gguf's name
+    map would put `cls` in the classifier; none for another model."""
+    if architecture != "bert" or model.config.architectures != ["BertForSequenceClassification"]:
+        return {}
+    pooler = f"{model.base_model_prefix}.pooler.dense"
+    return {
+        f"{stored}.{suffix}": f"{target}.{suffix}"
+        for stored, target in (("cls", pooler), ("cls.output", "classifier"))
+        for suffix in ("weight", "bias")
+    }
 
 
 # `tokenizer.ggml.model` -> the tokenizer written for it.
