@@ -21,6 +21,7 @@ from cache.events import (
     stored_events,
 )
 from cache.profiling import (
+    CacheSize,
     InsufficientKVCacheError,
     KVSizing,
     bytes_per_block,
@@ -29,6 +30,7 @@ from cache.profiling import (
     num_kv_blocks,
     profile_num_blocks,
 )
+from cache.state_pool import StatePool
 from cache.stats import CacheStats
 from cache.tier import PrefixTier, RegisteredBlock, held_prefix
 
@@ -43,6 +45,7 @@ __all__ = [
     "BlockRemoved",
     "BlockState",
     "BlockStored",
+    "CacheSize",
     "CacheStats",
     "FreeBlockQueue",
     "InsufficientKVCacheError",
@@ -51,6 +54,7 @@ __all__ = [
     "KVSizing",
     "PrefixTier",
     "RegisteredBlock",
+    "StatePool",
     "bytes_per_block",
     "cdiv",
     "extend_block_hashes",

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cache.block import BlockHashes, FreeBlockQueue, KVCacheBlock, cdiv, extend_block_hashes
 from cache.block_map import block_map
 from cache.events import AllBlocksCleared, BlockRemoved, KVEvent, stored_events
+from cache.state_pool import StatePool
 from cache.stats import CacheStats
 from cache.tier import RegisteredBlock
 
@@ -31,14 +32,22 @@ class _SeqBlocks:
     Invariants: each of `blocks[:num_hashed]` was a prefix hit, got registered, or was found
     to duplicate a registered block; `prefix_id` names the token prefix they hold, or is
     None once a hash collision left the prefix without an id (or registration reached a
-    released block), which ends registration for this sequence. `blocks[:num_released]`
+    released block), which ends registration for this sequence; `prefix_ids[i]` names the
+    prefix that ends with block i, for the blocks that have one. `blocks[:num_released]`
     keep their places in the table but are no longer held by it (`release_before`).
+    With recurrent state, `resume_slot` is the checkpoint its first chunk reads the state
+    from (-1: none, the state starts empty), and `kv_hit_blocks` counts the blocks the
+    prefix cache held when it was admitted, of which only those up to a checkpoint were
+    taken.
     """
 
     blocks: list[KVCacheBlock]
     num_hashed: int = 0
     prefix_id: int | None = _EMPTY_PREFIX
     num_released: int = 0
+    prefix_ids: list[int] = field(default_factory=list)
+    resume_slot: int = -1
+    kv_hit_blocks: int = 0
 
 
 class BlockManager:
@@ -65,6 +74,12 @@ class BlockManager:
     `extend_block_hashes` computes them (they may run ahead of what a call needs). A caller
     that keeps them across calls, as the scheduler does on each sequence, hashes every
     block once; left out, the call hashes what it needs itself.
+
+    With a `state_pool` (a hybrid model's recurrent layers) every allocated sequence also
+    holds a live state slot, and a prefix hit stops at the last hit block that a written
+    checkpoint follows (`resume_point`): the attention layers' blocks after it are
+    computed again, so the recurrent state is too. Checkpoints are asked for by
+    `add_checkpoint` and dropped with the block they follow (eviction, reset).
     """
 
     def __init__(
@@ -77,6 +92,7 @@ class BlockManager:
         record_events: bool = False,
         record_registered: bool = False,
         medium: str = "CPU",
+        state_pool: StatePool | None = None,
     ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"need num_blocks, block_size > 0; got {num_blocks}, {block_size}")
@@ -98,6 +114,7 @@ class BlockManager:
         self.medium = medium
         self._events: list[KVEvent] | None = [] if record_events else None
         self._registered: list[RegisteredBlock] | None = [] if record_registered else None
+        self.state_pool = state_pool
 
     @property
     def num_free_blocks(self) -> int:
@@ -111,9 +128,12 @@ class BlockManager:
         num_needed = cdiv(len(token_ids), self.block_size)
         if num_needed > self.num_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
+        if self.state_pool is not None and not self.state_pool.num_available:
+            return AllocStatus.LATER
         # Hit blocks in use cost nothing; free ones are revived off the free queue, so they
         # count like new blocks.
         hits = self._find_cached_prefix(token_ids, block_hashes) if reuse else []
+        hits = hits[: self.resume_point(hits)]
         num_shared = sum(1 for block in hits if block.ref_count)
         if len(self._free) - (num_needed - num_shared) >= self.watermark_blocks:
             return AllocStatus.OK
@@ -135,7 +155,8 @@ class BlockManager:
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} already has blocks")
-        hits = self._find_cached_prefix(token_ids, block_hashes) if reuse else []
+        kv_hits = self._find_cached_prefix(token_ids, block_hashes) if reuse else []
+        hits = kv_hits[: self.resume_point(kv_hits)]
         num_new = cdiv(len(token_ids), self.block_size) - len(hits)
         num_revived = sum(1 for block in hits if block.ref_count == 0)
         if num_new + num_revived > len(self._free):
@@ -150,8 +171,17 @@ class BlockManager:
                 self._num_cached_free -= 1
             block.ref_count += 1
         seq = _SeqBlocks(blocks=hits + self._take_free(num_new), num_hashed=len(hits))
+        seq.prefix_ids = [block.prefix_id for block in hits if block.prefix_id is not None]
         if hits:
             seq.prefix_id = hits[-1].prefix_id
+        if self.state_pool is not None:
+            # The checkpoint first, so that taking the live slot cannot evict it.
+            if hits:
+                resume = self.state_pool.resume(seq.prefix_ids[-1])
+                assert resume is not None  # resume_point found it written
+                seq.resume_slot = resume
+            seq.kv_hit_blocks = len(kv_hits)
+            self.state_pool.take(seq_id)
         self._seqs[seq_id] = seq
         num_cached_tokens = len(hits) * self.block_size
         if self.enable_prefix_caching:
@@ -213,6 +243,8 @@ class BlockManager:
             prefix_id = self._register_next(seq, tokens, hashes, stored)
             seq.num_hashed += 1
             seq.prefix_id = prefix_id
+            if prefix_id is not None:
+                seq.prefix_ids.append(prefix_id)
         if stored:
             self._record_stored(stored)
 
@@ -279,9 +311,46 @@ class BlockManager:
         seq = self._seqs.pop(seq_id, None)
         if seq is None:
             return
+        if self.state_pool is not None:
+            self.state_pool.release(seq_id)
         # Reverse order queues a sequence's tail ahead of the prefix it extends, so the tail
         # is evicted first and the prefix, more likely to be shared, stays cached longer.
         self._unhold(reversed(seq.blocks[seq.num_released :]))
+
+    def resume_point(self, hits: Sequence[KVCacheBlock]) -> int:
+        """How many of the prefix hits `hits` a sequence can take: all of them, or with
+        recurrent state those up to the last one that a written checkpoint follows."""
+        if self.state_pool is None:
+            return len(hits)
+        for count in range(len(hits), 0, -1):
+            prefix_id = hits[count - 1].prefix_id
+            if prefix_id is not None and self.state_pool.has_checkpoint(prefix_id):
+                return count
+        return 0
+
+    def state_slots(self, seq_id: str) -> tuple[int, int]:
+        """`seq_id`'s live state slot, and the checkpoint slot its state starts from at its
+        admission's first chunk (-1: none). Needs a state pool."""
+        assert self.state_pool is not None
+        return self.state_pool.slot(seq_id), self._seqs[seq_id].resume_slot
+
+    def checkpoint_hint(self, seq_id: str) -> int:
+        """Tokens the prefix cache held for `seq_id` at admission, whether or not a
+        checkpoint let it take them: where another sequence's prompt parted from its own, so
+        a checkpoint there serves the next sequence that shares the prefix."""
+        return self._seqs[seq_id].kv_hit_blocks * self.block_size
+
+    def add_checkpoint(self, seq_id: str, num_tokens: int) -> int | None:
+        """A state slot for the checkpoint of `seq_id`'s state after its first `num_tokens`
+        tokens (a multiple of `block_size`, whose blocks it has registered), keyed by the
+        prefix they hold; the step that computes that position writes it. None where
+        there is no state pool, that prefix has no id, its checkpoint exists or no slot can
+        be had."""
+        seq = self._seqs[seq_id]
+        index, rest = divmod(num_tokens, self.block_size)
+        if self.state_pool is None or rest or not 0 < index <= len(seq.prefix_ids):
+            return None
+        return self.state_pool.add_checkpoint(seq.prefix_ids[index - 1])
 
     def release_before(self, seq_id: str, num_tokens: int) -> int:
         """Release the blocks of `seq_id` that hold only tokens before position
@@ -322,6 +391,8 @@ class BlockManager:
         for block in self._cached.values():
             block.forget_hash()
         self._cached.clear()
+        if self.state_pool is not None:
+            self.state_pool.clear()
         if self._registered is not None:
             self._registered.clear()
         if self._events is not None:
@@ -330,6 +401,7 @@ class BlockManager:
         for seq in self._seqs.values():
             seq.num_hashed = 0
             seq.prefix_id = _EMPTY_PREFIX
+            seq.prefix_ids.clear()
 
     def block_map(self) -> str:
         """Every block's `BlockState` character, by block id; O(num_blocks).
@@ -401,8 +473,10 @@ class BlockManager:
             block = self._free.popleft()
             if block.block_hash is not None:
                 # The hash stayed valid while the block sat free; drop it now that the block
-                # will be overwritten.
+                # will be overwritten, and the checkpoint that followed it.
                 del self._cached[block.block_hash]
+                if self.state_pool is not None and block.prefix_id is not None:
+                    self.state_pool.drop(block.prefix_id)
                 evicted.append(block.block_hash)
                 block.forget_hash()
                 self._num_cached_free -= 1

@@ -75,6 +75,11 @@ class KVSizing:
     Pass the block manager's `watermark` so that a `max_model_len` prompt is admissible: it
     must fit in the blocks outside the reserve. With `max_num_seqs`, never more blocks than
     that many `max_model_len` sequences can use, plus the watermark reserve.
+
+    A hybrid model's recurrent layers keep `state_bytes` per sequence (0: no recurrent
+    layers) in state slots drawn from the same budget: `state_share` of it, at most two
+    slots per `max_num_seqs` (a running sequence's state and a prefix checkpoint), at
+    least one; the blocks get the rest.
     """
 
     block_bytes: int
@@ -86,6 +91,17 @@ class KVSizing:
     watermark: float = 0.0
     max_num_seqs: int | None = None
     cpu_reserved: int = 0
+    state_bytes: int = 0
+    state_share: float = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSize:
+    """How much cache a budget holds: KV blocks, and recurrent state slots (0 without
+    recurrent layers)."""
+
+    num_blocks: int
+    num_state_slots: int = 0
 
 
 def num_kv_blocks(
@@ -95,8 +111,9 @@ def num_kv_blocks(
     cuda_allocated: int | None = None,
     cuda_peak_allocated: int | None = None,
     cpu_available: int | None = None,
-) -> int:
-    """The number of KV blocks to allocate, from measured numbers.
+) -> CacheSize:
+    """The number of KV blocks (and recurrent state slots) to allocate, from measured
+    numbers.
 
     The profiled budget is `kv_cache_bytes_cuda` (`device_type == "cuda"`, needing
     `cuda_mem_get_info` as `(free, total)`, `cuda_allocated` and `cuda_peak_allocated`) or
@@ -106,13 +123,14 @@ def num_kv_blocks(
     device out of memory. On the CPU an unset `kv_cache_memory` means
     `CPU_DEFAULT_KV_CACHE_MEMORY`. The result is logged with the figure that decided it.
     Raises InsufficientKVCacheError when one `max_model_len` sequence does not fit
-    outside the watermark reserve.
+    outside the watermark reserve (or its recurrent state does not fit at all).
     """
     profiled = _profiled_bytes(
         sizing, cuda_mem_get_info, cuda_allocated, cuda_peak_allocated, cpu_available
     )
     budget, limit, why = _budget(sizing, profiled)
-    num_blocks = budget // sizing.block_bytes
+    num_slots = _state_slots(sizing, budget)
+    num_blocks = (budget - num_slots * sizing.state_bytes) // sizing.block_bytes
     num_required = cdiv(sizing.max_model_len, sizing.block_size)
     watermark, max_num_seqs = sizing.watermark, sizing.max_num_seqs
     if num_blocks - int(watermark * num_blocks) < num_required:
@@ -126,7 +144,30 @@ def num_kv_blocks(
         "KV cache: %d blocks of %d tokens, %.2f GiB: %s",
         num_blocks, sizing.block_size, num_blocks * sizing.block_bytes / 2**30, why,
     )  # fmt: skip
-    return num_blocks
+    if num_slots:
+        logger.info(
+            "recurrent state: %d slots of %.1f MiB (running sequences and prefix "
+            "checkpoints), %.2f GiB: state_share %s of the budget",
+            num_slots, sizing.state_bytes / 2**20, num_slots * sizing.state_bytes / 2**30,
+            sizing.state_share,
+        )  # fmt: skip
+    return CacheSize(num_blocks, num_slots)
+
+
+def _state_slots(sizing: KVSizing, budget: int) -> int:
+    """The state slots `sizing.state_share` of `budget` holds (see `KVSizing`)."""
+    if not sizing.state_bytes:
+        return 0
+    num_slots = int(budget * sizing.state_share) // sizing.state_bytes
+    if sizing.max_num_seqs is not None:
+        num_slots = min(num_slots, 2 * sizing.max_num_seqs)
+    if num_slots < 1:
+        raise InsufficientKVCacheError(
+            f"KV cache too small: state_share {sizing.state_share} of {budget} bytes does "
+            f"not hold one sequence's recurrent state ({sizing.state_bytes} bytes); raise "
+            "kv_cache_memory or state_share"
+        )
+    return num_slots
 
 
 def _profiled_bytes(
@@ -202,7 +243,7 @@ def profile_num_blocks(
     *,
     cuda_mem_get_info: Callable[[], tuple[int, int]] | None = None,
     cuda_memory_stats: Callable[[], Mapping[str, int]] | None = None,
-) -> int:
+) -> CacheSize:
     """`num_kv_blocks` with the memory figures read now.
 
     Call it right after the profiling forward. On CUDA pass `torch.cuda.mem_get_info` and

@@ -15,7 +15,9 @@ setting asks for it:
 - `engine.lora`: LoRA adapters on the model's projections, chosen by `enable_lora` or
   `lora_modules` (`lora_adapters`);
 - the C++ and Triton attention kernels, chosen by `attention_backend`, have their own
-  entry point: the backend registry, `engine.model.attention_backend`.
+  entry point: the backend registry, `engine.model.attention_backend`;
+- the recurrent layers' C++ kernels (`engine.model.kernels.recurrent`), for a hybrid
+  model on the CPU (`recurrent_kernels`).
 
 The functions return objects of interfaces the core defines (`StepExecutor`,
 `ConstraintCompiler`) or do the component's work once at load (the linears). A component that
@@ -74,6 +76,16 @@ def step_executor(path: StepPath, max_num_seqs: int) -> Callable[[EagerSteps], S
     except ImportError as exc:
         raise ConfigError(f"enforce_eager false: {missing('engine.compiled', exc)}") from None
     return lambda eager: eager
+
+
+def recurrent_kernels(device: torch.device) -> str | None:
+    """Why a hybrid model's recurrent layers cannot run their C++ kernels on `device` (they
+    then run their torch reference), or None when they can (built and registered now)."""
+    try:
+        from engine.model.kernels import recurrent
+    except ImportError as exc:
+        return missing("engine.model.kernels.recurrent", exc)
+    return recurrent.unavailable_reason(device)
 
 
 def compiled_unavailable() -> str | None:

@@ -77,6 +77,17 @@ class EngineConfig(BaseModel):
         "kv_cache_memory is set",
     )
     kv_cache_memory: ByteSize | None = Field(None, gt=0, description="e.g. '2GiB'; caps profiling")
+    # A hybrid model's recurrent layers (Gated DeltaNet, Mamba-2, short convolutions) keep a
+    # fixed-size state per sequence, in slots drawn from the KV cache's budget: this share
+    # of it (SGLang's split), at most two slots per max_num_seqs (running sequences and
+    # prefix checkpoints); the KV blocks of its attention layers get the rest.
+    state_share: float = Field(
+        0.5,
+        gt=0,
+        lt=1,
+        description="share of the KV cache's budget that a hybrid model's recurrent state "
+        "slots take (running sequences and prefix checkpoints)",
+    )
     watermark: float = Field(
         0.01, ge=0, lt=1, description="share of the KV blocks a new request must leave free"
     )

@@ -24,7 +24,9 @@ from cache import (
     MEDIUM_CPU,
     MEDIUM_GPU,
     BlockManager,
+    CacheSize,
     KVSizing,
+    StatePool,
     bytes_per_block,
     cdiv,
     profile_num_blocks,
@@ -39,13 +41,14 @@ from engine.model.attention_backend import choose_backend
 from engine.model.device import resolve_device, resolve_dtype
 from engine.model.kv_cache import KVLayout, allocate_kv_cache
 from engine.model.loader import load_model
+from engine.model.recurrent import RecurrentStates, bind_recurrent
 from engine.model.runner import ModelRunner
 from engine.model.support import probe_attention
 from engine.request.intake import RequestProcessor
 from engine.sampling.params import resolve_defaults
 from engine.sampling.sampler import Sampler
 from engine.speculative.speculator import Speculator
-from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence
+from scheduler import ScheduledSequence, Scheduler, SchedulerOutput, Sequence, StateStep
 
 logger = logging.getLogger(__name__)
 
@@ -72,9 +75,7 @@ class EngineBuilder:
             self.tokenizer, self.vocab_size, self.eos_token_ids
         )
         self.sampler = Sampler(config.seed, self.device, self.grammars)
-        self.speculator = (
-            Speculator(config.speculative_config) if config.speculative_config else None
-        )
+        self.speculator = self._speculator(config)
         self.processor = RequestProcessor(
             self.tokenizer,
             self.vocab_size,
@@ -105,11 +106,13 @@ class EngineBuilder:
         )  # fmt: skip
         # Before the linears below are packed: the probe runs the model as loaded.
         self.kv_layout = probe_attention(loaded.model)
+        self.recurrent = bind_recurrent(loaded.model)
+        self.recurrent_kernels = self._recurrent_kernels()
         self.attention = choose_backend(
             config.attention_backend, self.device, self.dtype, self.kv_layout.head_dim,
             config.block_size,
         )  # fmt: skip
-        bind_attention(loaded.model, self.attention.backend)
+        bind_attention(loaded.model, self.attention.backend, self.kv_layout.kv_index())
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -123,6 +126,29 @@ class EngineBuilder:
             capabilities.quantize(self.model, mode, self.dtype, folder if folder.is_dir() else None)
         capabilities.pack(self.model, self.device, self.dtype)
         return loaded.source
+
+    def _recurrent_kernels(self) -> bool:
+        """Whether a hybrid model's recurrent layers run their C++ kernels (else their torch
+        reference, with one line saying why)."""
+        if self.recurrent is None:
+            return False
+        reason = capabilities.recurrent_kernels(self.device)
+        if reason is not None:
+            logger.warning("recurrent layers on torch, not their C++ kernels: %s", reason)
+        return reason is None
+
+    def _speculator(self, config: EngineConfig) -> Speculator | None:
+        """Prompt lookup as `speculative_config` asks; off for a hybrid model, with one
+        warning: its recurrent state cannot be taken back past a rejected draft."""
+        if not config.speculative_config:
+            return None
+        if self.recurrent is not None:
+            logger.warning(
+                "speculative decoding off: %s keeps recurrent state, which a rejected draft "
+                "token would have advanced", self.model_name,
+            )  # fmt: skip
+            return None
+        return Speculator(config.speculative_config)
 
     def _max_model_len(self, config: EngineConfig) -> int:
         """`max_model_len`, or when unset the model's own limit capped at
@@ -141,11 +167,17 @@ class EngineBuilder:
     def _build_kv_cache(self, config: EngineConfig, source: str) -> None:
         """Size and allocate the KV cache, the runner over it (warmed up), the KV events'
         publisher and tier, and the block manager and scheduler that hand its blocks out."""
-        self.num_kv_blocks = self._profile_num_blocks(self.kv_layout)
+        size = self._profile_num_blocks(self.kv_layout)
+        self.num_kv_blocks, self.num_state_slots = size.num_blocks, size.num_state_slots
         kv_cache = allocate_kv_cache(
             self.kv_layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
         )
-        self.runner = self._runner(kv_cache)
+        self.states = None
+        if self.recurrent is not None:
+            self.states = RecurrentStates.allocate(
+                self.recurrent, self.num_state_slots, self.device
+            )
+        self.runner = self._runner(kv_cache, self.states)
         self._warm_up(config)
         self.events = capabilities.kv_event_publisher(config.kv_events_config)
         self.tier = self._kv_tier(config, source, kv_cache)
@@ -157,6 +189,7 @@ class EngineBuilder:
             record_events=self.events is not None,
             record_registered=self.tier is not None,
             medium=MEDIUM_GPU if self.device.type == "cuda" else MEDIUM_CPU,
+            state_pool=StatePool(self.num_state_slots) if self.num_state_slots else None,
         )
         self.scheduler = Scheduler(
             block_manager,
@@ -168,8 +201,9 @@ class EngineBuilder:
             tier=self.tier,
         )
 
-    def _runner(self, kv_cache: torch.Tensor) -> ModelRunner:
-        """A runner over `kv_cache` whose steps take the step path chosen now."""
+    def _runner(self, kv_cache: torch.Tensor, states: RecurrentStates | None = None) -> ModelRunner:
+        """A runner over `kv_cache` (and a hybrid model's recurrent `states`) whose steps
+        take the step path chosen now."""
         return ModelRunner(
             self.model,
             kv_cache,
@@ -177,6 +211,8 @@ class EngineBuilder:
             self.config.max_num_seqs,
             self.max_model_len,
             step_path=capabilities.step_executor(self._step_path(), self.config.max_num_seqs),
+            states=states,
+            recurrent_kernels=self.recurrent_kernels,
         )
 
     def _schedules_ahead(self, config: EngineConfig) -> bool:
@@ -249,6 +285,11 @@ class EngineBuilder:
             # A captured graph would replay the LoRA rows of the step it was captured in.
             logger.warning("decode steps eager, not captured: LoRA adapters are enabled")
             return False
+        if self.recurrent is not None:
+            # The recurrent layers' torch path reads the step's host arrays.
+            if self.device.type == "cuda":
+                logger.warning("decode steps eager, not captured: the model has recurrent layers")
+            return False
         if config.enforce_eager is False:
             return True
         if self.device.type != "cuda":
@@ -283,6 +324,8 @@ class EngineBuilder:
     def _cannot_compile_reason(self, config: EngineConfig) -> str | None:
         if os.environ.get("TORCHDYNAMO_DISABLE") == "1":
             return "TORCHDYNAMO_DISABLE=1 is set"
+        if self.recurrent is not None and not self.recurrent_kernels:
+            return "the recurrent layers' C++ kernels cannot run here"
         missing = capabilities.compiled_unavailable()
         if missing is not None:
             return missing
@@ -332,6 +375,12 @@ class EngineBuilder:
         if not config.enable_prefix_caching:
             logger.warning("KV tier off: it sits under the prefix cache, which is off")
             return None
+        if self.recurrent is not None:
+            logger.warning(
+                "KV tier off: %s keeps recurrent state, whose prefix checkpoints the tier "
+                "does not hold (a hit on its blocks alone could not resume)", self.model_name,
+            )  # fmt: skip
+            return None
         publish = None if self.events is None else self.events.publish
         if config.kv_offloading_size:
             tier = capabilities.host_kv_tier(
@@ -359,7 +408,7 @@ class EngineBuilder:
         )  # fmt: skip
         return tier
 
-    def _profile_num_blocks(self, layout: KVLayout) -> int:
+    def _profile_num_blocks(self, layout: KVLayout) -> CacheSize:
         """Size the KV cache from the memory the model leaves free.
 
         On CUDA the largest batch the scheduler can form runs once first, so the peak
@@ -374,10 +423,14 @@ class EngineBuilder:
             tokens = min(self.config.max_num_batched_tokens, self.max_model_len)
             blocks = cdiv(tokens, self.block_size)
             scratch = allocate_kv_cache(layout, blocks, self.block_size, self.dtype, self.device)
+            states = state = None
+            if self.recurrent is not None:  # one sequence's state, from nothing
+                states = RecurrentStates.allocate(self.recurrent, 1, self.device)
+                state = StateStep(0, -1)
             torch.cuda.reset_peak_memory_stats(self.device)
-            runner = self._runner(scratch)  # on CUDA never compiled: graphs or eager
+            runner = self._runner(scratch, states)  # on CUDA never compiled: graphs or eager
             seq = Sequence("profile", "profile", [0] * tokens, max_tokens=1)
-            item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)))
+            item = ScheduledSequence(seq, tokens, 0, True, list(range(blocks)), state=state)
             runner.update_block_tables(SchedulerOutput([item]))
             runner.execute([item])
             runner.warm_up()
@@ -396,8 +449,10 @@ class EngineBuilder:
             watermark=self.config.watermark,
             max_num_seqs=self.config.max_num_seqs,
             cpu_reserved=self.mapped_bytes,
+            state_bytes=0 if self.recurrent is None else self.recurrent.bytes_per_slot,
+            state_share=self.config.state_share,
         )
-        num_blocks = profile_num_blocks(
+        size = profile_num_blocks(
             sizing,
             cuda_mem_get_info=lambda: torch.cuda.mem_get_info(self.device),
             cuda_memory_stats=lambda: torch.cuda.memory_stats(self.device),
@@ -405,4 +460,4 @@ class EngineBuilder:
         del runner  # and with it the scratch cache and any graphs captured over it
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return num_blocks
+        return size

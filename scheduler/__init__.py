@@ -8,6 +8,7 @@ from scheduler.sequence import (
     SchedulerOutput,
     Sequence,
     SequenceStatus,
+    StateStep,
     TierLoad,
 )
 
@@ -21,5 +22,6 @@ __all__ = [
     "SchedulingPolicy",
     "Sequence",
     "SequenceStatus",
+    "StateStep",
     "TierLoad",
 ]

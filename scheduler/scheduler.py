@@ -17,6 +17,7 @@ from scheduler.sequence import (
     SchedulerOutput,
     Sequence,
     SequenceStatus,
+    StateStep,
     TierLoad,
 )
 
@@ -212,6 +213,8 @@ class Scheduler:
         leaves every running sequence a block to grow by, beyond the watermark.
         """
         output = SchedulerOutput()
+        if self.block_manager.state_pool is not None:
+            self.block_manager.state_pool.next_step()
         if self.policy == "priority":
             self._preempt_for_waiting(output)
         token_budget = self._schedule_running(output, drafts or {})
@@ -494,7 +497,9 @@ class Scheduler:
             if reuse and self._load_from_tier(seq, output):
                 continue
             num_new_tokens = min(seq.num_tokens - num_cached_tokens, token_budget)
-            self._add_to_batch(seq, num_new_tokens, output, manager.block_table(seq.seq_id))
+            self._add_to_batch(
+                seq, num_new_tokens, output, manager.block_table(seq.seq_id), admitted=True
+            )
             token_budget -= num_new_tokens
 
     def _load_from_tier(self, seq: Sequence, output: SchedulerOutput) -> bool:
@@ -549,15 +554,13 @@ class Scheduler:
         output: SchedulerOutput,
         new_block_ids: list[int],
         draft: tuple[int, ...] = (),
+        admitted: bool = False,
     ) -> None:
+        """Schedule `num_new_tokens` of `seq` (and `draft`) in this step; `admitted`: in
+        the step that admitted it."""
         start = seq.num_computed_tokens
         end = start + num_new_tokens
         samples = end == seq.num_tokens
-        output.scheduled.append(
-            ScheduledSequence(
-                seq, num_new_tokens + len(draft), start, samples, new_block_ids, draft
-            )
-        )
         # Register blocks this chunk fills now, not after the step, so a sibling (n > 1) or a
         # same-prefix request admitted later in this step already hits them: their K/V is
         # written by this step's forward before attention reads it, layer by layer.
@@ -565,3 +568,36 @@ class Scheduler:
         block_size = self.block_manager.block_size
         if end // block_size > start // block_size:
             self.block_manager.cache_full_blocks(seq.seq_id, seq.token_ids, end, seq.block_hashes)
+        state = self._state_step(seq, start, end, admitted)
+        output.scheduled.append(
+            ScheduledSequence(
+                seq, num_new_tokens + len(draft), start, samples, new_block_ids, draft, state
+            )
+        )
+
+    def _state_step(self, seq: Sequence, start: int, end: int, admitted: bool) -> StateStep | None:
+        """Where a hybrid model's chunk of positions `[start, end)` reads and leaves its
+        recurrent state (None without recurrent layers), with the checkpoints it writes: at
+        the block boundaries, within the chunk, that end the prompt's turns and the prompt,
+        and where the prefix cache's blocks ran out for it at admission (another prompt
+        parted from it there, so the next one that shares the prefix resumes from it)."""
+        manager = self.block_manager
+        if manager.state_pool is None:
+            return None
+        slot, resume = manager.state_slots(seq.seq_id)
+        source = -1 if start == 0 else resume if admitted else slot
+        if start >= seq.num_prompt_tokens:
+            return StateStep(slot, source)
+        size = manager.block_size
+        wanted = {
+            *seq.checkpoint_positions,
+            seq.num_prompt_tokens,
+            min(manager.checkpoint_hint(seq.seq_id), seq.num_prompt_tokens),
+        }
+        checkpoints = []
+        for position in sorted({p // size * size for p in wanted}):
+            if start < position <= end:
+                checkpoint = manager.add_checkpoint(seq.seq_id, position)
+                if checkpoint is not None:
+                    checkpoints.append((position, checkpoint))
+        return StateStep(slot, source, tuple(checkpoints))

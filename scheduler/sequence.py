@@ -37,6 +37,9 @@ class Sequence:
     - A sequence with `prompt_logprobs` takes no prefix-cache hits: every prompt position
       runs through the model, whose logits there give the next prompt token's logprob
       (its blocks still fill the cache for others).
+    - `checkpoint_positions` are token counts of the prompt where its conversation's turns
+      end (ascending): a hybrid model keeps its recurrent state there, as at the prompt's
+      end, so a later request that shares the conversation up to one resumes from it.
     - `block_hashes` holds the chained prefix-cache hashes of the first full blocks of
       `token_ids` (see `cache.extend_block_hashes`); the block manager extends it as it
       needs more, so each block of the sequence is hashed once in its life. A sequence of
@@ -62,6 +65,7 @@ class Sequence:
     num_preemptions: int = 0
     prompt_logprobs: bool = False
     block_hashes: list[int] = field(default_factory=list)
+    checkpoint_positions: tuple[int, ...] = ()
     lora_slot: int = -1
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
@@ -100,6 +104,19 @@ class Sequence:
 
 
 @dataclass(slots=True, frozen=True)
+class StateStep:
+    """What a hybrid model's recurrent layers do with one scheduled chunk's state: start
+    from the state in slot `source` (the sequence's live `slot`; on the first chunk after a
+    prefix hit, the checkpoint it resumes from; -1 at position 0: an empty state), leave
+    the chunk's final state in `slot`, and copy the state after the first p tokens of the
+    sequence into slot s for each `(p, s)` of `checkpoints` (positions within the chunk)."""
+
+    slot: int
+    source: int
+    checkpoints: tuple[tuple[int, int], ...] = ()
+
+
+@dataclass(slots=True, frozen=True)
 class ScheduledSequence:
     """One sequence's share of a step: it computes positions
     `[num_computed_tokens, num_computed_tokens + num_new_tokens)` of `seq.token_ids`
@@ -115,6 +132,7 @@ class ScheduledSequence:
     the blocks this step appended to the sequence's block table: its whole table when it
     was admitted in this step, else the blocks it grew by (usually none), so a runner that
     keeps block tables across steps applies them without asking the block manager.
+    `state` is set for a hybrid model's sequences (see `StateStep`).
     """
 
     seq: Sequence
@@ -123,6 +141,7 @@ class ScheduledSequence:
     samples: bool
     new_block_ids: list[int]
     draft_token_ids: tuple[int, ...] = ()
+    state: StateStep | None = None
 
     @property
     def num_draft_tokens(self) -> int:

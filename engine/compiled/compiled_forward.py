@@ -78,6 +78,7 @@ from engine.linears.linear_groups import GroupSharedInputs
 from engine.linears.opaque_linear import OpaqueLinear
 from engine.model.attention_metadata import PagedAttentionMetadata
 from engine.model.kernels.cpp_extension import cpu_flags
+from engine.model.recurrent.state import RecurrentStates, RecurrentStep
 from engine.model.runner import EagerSteps, model_logits
 from engine.model.step_inputs import StepInputs
 
@@ -101,14 +102,19 @@ def inductor_cache_dir() -> str:
     return os.environ[CACHE_DIR_VARIABLE]
 
 
-def pad_step(step: StepInputs) -> StepInputs:
+def pad_step(step: StepInputs, padding_slot: int = -1) -> StepInputs:
     """`step` itself if it samples a row, else with one padding sequence appended (see the
     module's docstring) whose token is sampled once: its logits row comes last. (A prefill
-    chunk that ends before its prompt samples none.)"""
+    chunk that ends before its prompt samples none.) A hybrid model's padding sequence
+    starts from an empty state and leaves it in `padding_slot`, no sequence's."""
     if len(step.logits_index) > 0:
         return step
     token = len(step.input_ids)
     input_id, position, slot, context, row = PADDING_ROW
+    state = step.state
+    if state:
+        slots, sources, *checkpoints = state
+        state = (np.append(slots, padding_slot), np.append(sources, -1), *checkpoints)
     return StepInputs(
         input_ids=np.append(step.input_ids, input_id),
         positions=np.append(step.positions, position),
@@ -119,6 +125,7 @@ def pad_step(step: StepInputs) -> StepInputs:
         logits_index=np.append(step.logits_index, token),
         width=step.width,
         num_prompt_rows=step.num_prompt_rows,
+        state=state,
     )
 
 
@@ -137,16 +144,25 @@ class CompiledForward:
         self._model = eager.model
         self._kv_cache = eager.kv_cache
         self._tables = eager.device_tables
+        self._states = eager.states
         self._compiled: Any = None
         # Whether `warm_up` loaded a saved graph (True) or compiled one (False).
         self.loaded = False
 
     def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]:
-        return pad_step(step).arrays()
+        padding = -1 if self._states is None else self._states.padding_slot
+        return pad_step(step, padding).arrays()
 
     def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
-        logits = self._compiled(self._model, *inputs, self._kv_cache, self._tables)
+        logits = self._compiled(self._model, *inputs, *self._engine_tensors())
         return logits[: len(step.logits_index)]
+
+    def _engine_tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors of the engine's own that every step reads and writes: the KV cache,
+        the block tables and a hybrid model's recurrent states."""
+        if self._states is None:
+            return self._kv_cache, self._tables
+        return self._kv_cache, self._tables, self._states.conv, self._states.ssm
 
     def warm_up(self) -> float:
         """Load the saved graph, or compile and save it, then run one step of padding
@@ -184,6 +200,7 @@ class CompiledForward:
             str(self._model.dtype), str(self._kv_cache.dtype),
             str(tuple(self._kv_cache.shape)), str(tuple(self._tables.shape)),
             str(_handles(self._model)),
+            str([None if t is None else tuple(t.shape) for t in self._engine_tensors()[2:]]),
         ):  # fmt: skip
             digest.update(part.encode() + b"\0")
         for source in _sources():
@@ -194,8 +211,9 @@ class CompiledForward:
         """Compile the graph over this engine's model and save it in `folder`."""
         # Static: Dynamo would give their sizes symbols shared with equal step sizes (the
         # K/V axis of 2 with a step's 2 sampled rows), specialized where they are indexed.
-        torch._dynamo.mark_static(self._kv_cache)
-        torch._dynamo.mark_static(self._tables)
+        for tensor in self._engine_tensors():
+            if tensor is not None:
+                torch._dynamo.mark_static(tensor)
         compiler = torch.compile(
             _step,
             dynamic=True,
@@ -232,11 +250,16 @@ class CompiledForward:
 
     def _padding_inputs(self) -> tuple[Any, ...]:
         """A step of padding tokens, as the compiled function's arguments. Its sizes all
-        differ (5 tokens, 3 sequences, 2 sampled), because Dynamo gives equal sizes one
-        symbol: a step with as many tokens as sequences would compile a graph for decode
-        steps only."""
+        differ (5 tokens, 3 sequences, 2 sampled, 6 checkpoints), because Dynamo gives
+        equal sizes one symbol: a step with as many tokens as sequences would compile a
+        graph for decode steps only."""
         lengths = np.array([1, 2, 2])
         starts = np.concatenate(([0], np.cumsum(lengths)))
+        state: tuple[np.ndarray, ...] = ()
+        if self._states is not None:  # every padding sequence in the padding slot
+            padding = self._states.padding_slot
+            # Six checkpoint entries: a size no other input has (see the docstring).
+            state = (np.full(3, padding), np.full(3, -1), np.full(6, -1), np.full(6, padding))
         step = StepInputs(
             input_ids=np.zeros(starts[-1], dtype=np.int64),
             positions=np.concatenate([np.arange(n) for n in lengths]),
@@ -246,33 +269,32 @@ class CompiledForward:
             context_lens=lengths,
             logits_index=starts[1:3] - 1,
             width=1,
+            state=state,
         )
         inputs = [torch.from_numpy(array.astype(np.int64)) for array in step.arrays()]
-        return (self._model, *inputs, self._kv_cache, self._tables)
+        return (self._model, *inputs, *self._engine_tensors())
 
     def _run_padding_step(self) -> None:
         with torch.inference_mode():
             self._compiled(*self._padding_inputs())
 
 
-def _step(
-    model: PreTrainedModel,
-    input_ids: torch.Tensor,
-    positions: torch.Tensor,
-    slots: torch.Tensor,
-    rows: torch.Tensor,
-    query_start: torch.Tensor,
-    context_lens: torch.Tensor,
-    logits_index: torch.Tensor,
-    kv_cache: torch.Tensor,
-    device_tables: torch.Tensor,
-) -> torch.Tensor:
+def _step(model: PreTrainedModel, *inputs: torch.Tensor | None) -> torch.Tensor:
     """The compiled function: a free function of its inputs, the model among them, so
-    that a saved graph holds no reference to this process's objects."""
+    that a saved graph holds no reference to this process's objects. `inputs` are a step's
+    arrays (`StepInputs.arrays`, with a hybrid model's four state arrays), then the KV
+    cache and the block tables (and a hybrid model's conv and ssm states)."""
+    hybrid = len(inputs) == 15
+    arrays, tensors = inputs[: 11 if hybrid else 7], inputs[11 if hybrid else 7 :]
+    input_ids, positions, slots, rows, query_start, context_lens, logits_index, *state = arrays
+    recurrent = None
+    if hybrid:
+        states = RecurrentStates(tensors[2], tensors[3])
+        recurrent = RecurrentStep(states, query_start, *state, use_kernel=True)  # type: ignore[arg-type]
     metadata = PagedAttentionMetadata.of_step(
-        kv_cache, device_tables, slots, rows, query_start, context_lens
-    )
-    return model_logits(model, input_ids[None], positions[None], logits_index, metadata)
+        tensors[0], tensors[1], slots, rows, query_start, context_lens, recurrent=recurrent
+    )  # type: ignore[arg-type]
+    return model_logits(model, input_ids[None], positions[None], logits_index, metadata)  # type: ignore[index]
 
 
 def _sources() -> list[Path]:

@@ -80,19 +80,22 @@ def paged_attention_forward(
     dropout: float = 0.0,
     *,
     backend: AttentionBackend,
+    kv_index: dict[int, int] | None = None,
     paged_metadata: PagedAttentionMetadata | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """query `[1, H, T, Dk]`, key `[1, Hkv, T, Dk]`, value `[1, Hkv, T, Dv]` -> output
     `[1, T, H, Dv]`, through `backend` (bound by `bind_attention`) with the model
-    runner's `paged_metadata`; the softmax scale is the model's, else 1/sqrt(Dk)."""
+    runner's `paged_metadata`, the layer's K/V at `kv_index[module.layer_idx]` of the KV
+    tensor (None: at `module.layer_idx`); the softmax scale is the model's, else
+    1/sqrt(Dk)."""
     features = attention_features(kwargs)
     if paged_metadata is None:
         raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     value_dim = value.shape[3]
     query, key, value = _one_head_size(query, key, value)
-    layer = module.layer_idx
+    layer = module.layer_idx if kv_index is None else kv_index[module.layer_idx]
     kv_cache = paged_metadata.kv_cache
     backend.store_kv(
         key[0].transpose(0, 1), value[0].transpose(0, 1), kv_cache, layer,
@@ -116,12 +119,19 @@ def _one_head_size(
     return query, key, value
 
 
-def bind_attention(model: PreTrainedModel, backend: AttentionBackend) -> str:
-    """Make `model` attend through `backend` and return the name it is registered under
-    with transformers: one name per backend and device, so engines on different backends
-    can share a process (the registry of attention functions is global)."""
+def bind_attention(
+    model: PreTrainedModel, backend: AttentionBackend, kv_index: dict[int, int] | None = None
+) -> str:
+    """Make `model` attend through `backend`, layer `l` over index `kv_index[l]` of the KV
+    tensor (None: every layer attends, at its own index), and return the name it is
+    registered under with transformers: one name per backend, device and layer map, so
+    engines on different backends or models can share a process (the registry of
+    attention functions is global)."""
     device = next(model.parameters()).device
     name = f"{ATTN_IMPLEMENTATION}_{backend.name}_{device.type}"
-    AttentionInterface.register(name, partial(paged_attention_forward, backend=backend))
+    if kv_index is not None:
+        name += "_layers_" + "-".join(map(str, kv_index))
+    bound = partial(paged_attention_forward, backend=backend, kv_index=kv_index)
+    AttentionInterface.register(name, bound)
     model.config._attn_implementation = name
     return name

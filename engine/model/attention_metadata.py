@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from engine.model.recurrent.state import RecurrentStep
+
 if TYPE_CHECKING:
     from engine.model.step_inputs import StepInputs
 
@@ -43,6 +45,7 @@ class PagedAttentionMetadata:
     or run by a compiled forward (which also leaves `max_query_len` 0: a Python int would
     be compiled in as a constant), which only run attention backends that read the
     tensors alone (`captures`, `compiles`: see `engine.model.attention_backend`).
+    `recurrent` is what a hybrid model's recurrent layers read and write (None without).
     """
 
     kv_cache: torch.Tensor
@@ -54,6 +57,7 @@ class PagedAttentionMetadata:
     context_lens_host: np.ndarray | None
     positions_host: np.ndarray | None
     max_query_len: int
+    recurrent: RecurrentStep | None = None
     _split: DecodePrefillSplit | None = field(default=None, repr=False)
 
     @classmethod
@@ -67,6 +71,7 @@ class PagedAttentionMetadata:
         context_lens: torch.Tensor,
         host: StepInputs | None = None,
         max_query_len: int = 0,
+        recurrent: RecurrentStep | None = None,
     ) -> PagedAttentionMetadata:
         """The one builder of a step's metadata, for every step path. Each sequence's block
         table is its row `rows[b]` of `device_tables`. With the step's `host` inputs (an
@@ -77,11 +82,11 @@ class PagedAttentionMetadata:
         if host is None:
             return cls(
                 kv_cache, slot_mapping, device_tables.index_select(0, rows), query_start,
-                context_lens, None, None, None, max_query_len,
+                context_lens, None, None, None, max_query_len, recurrent,
             )  # fmt: skip
         return cls(
             kv_cache, slot_mapping, device_tables[rows, : host.width], query_start, context_lens,
-            host.query_start, host.context_lens, host.positions, host.max_query_len,
+            host.query_start, host.context_lens, host.positions, host.max_query_len, recurrent,
         )  # fmt: skip
 
     def decode_prefill_split(self) -> DecodePrefillSplit:

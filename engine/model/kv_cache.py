@@ -9,30 +9,34 @@ from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
-from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
 class KVLayout:
     """The per-token shape of a model's KV cache, and how far back it is read: with
     `sliding_window` > 0 every layer attends to that many last positions at most, so what
-    lies further back can be released (0: some layer attends to everything)."""
+    lies further back can be released (0: some layer attends to everything).
+
+    `attention_layers` are the model's layer indices that attend, ascending, where some do
+    not (a hybrid's others keep recurrent state instead): layer `attention_layers[i]` keeps
+    its K/V at index i of the KV tensor. Empty where every layer attends (and left out of
+    the repr, which keys the disk tier's folders)."""
 
     num_layers: int
     num_kv_heads: int
     head_dim: int
     sliding_window: int = 0
+    attention_layers: tuple[int, ...] = field(default=(), repr=False)
 
-    @classmethod
-    def from_config(cls, config: PretrainedConfig) -> KVLayout:
-        text = config.get_text_config()
-        heads = text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return cls(text.num_hidden_layers, kv_heads, head_dim)
+    def kv_index(self) -> dict[int, int] | None:
+        """Model layer index -> its index in the KV tensor; None where every layer
+        attends, each at its own index."""
+        if not self.attention_layers:
+            return None
+        return {layer: index for index, layer in enumerate(self.attention_layers)}
 
 
 def allocate_kv_cache(

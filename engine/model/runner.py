@@ -27,6 +27,7 @@ from transformers import PreTrainedModel
 
 from cache import cdiv
 from engine.model.attention_metadata import PagedAttentionMetadata
+from engine.model.recurrent.state import RecurrentStates, RecurrentStep
 from engine.model.step_inputs import BlockTables, Staging, StepInputs, build_step_inputs
 from scheduler import ScheduledSequence, SchedulerOutput
 
@@ -70,16 +71,33 @@ class StepExecutor(Protocol):
 class EagerSteps:
     """Every step through the model object itself, with the step's host arrays at hand for
     attention backends that read them. Holds what every step path shares: the model, the
-    KV cache and the device's block tables (read by row)."""
+    KV cache, the device's block tables (read by row) and a hybrid model's recurrent
+    states (run by their C++ ops where `recurrent_kernels`, else by torch)."""
 
     name = "eager"
 
     def __init__(
-        self, model: PreTrainedModel, kv_cache: torch.Tensor, device_tables: torch.Tensor
+        self,
+        model: PreTrainedModel,
+        kv_cache: torch.Tensor,
+        device_tables: torch.Tensor,
+        states: RecurrentStates | None = None,
+        recurrent_kernels: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device_tables = device_tables
+        self.states = states
+        self.recurrent_kernels = recurrent_kernels
+
+    def recurrent_step(
+        self, query_start: torch.Tensor, state: list[torch.Tensor]
+    ) -> RecurrentStep | None:
+        """The step's `RecurrentStep` from its four state inputs (none: no recurrent
+        layers)."""
+        if self.states is None:
+            return None
+        return RecurrentStep(self.states, query_start, *state, use_kernel=self.recurrent_kernels)
 
     def warm_up(self) -> None:
         """Nothing to prepare."""
@@ -88,10 +106,11 @@ class EagerSteps:
         return step.arrays()
 
     def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
-        input_ids, positions, slots, rows, query_start, context_lens, logits_index = inputs
+        input_ids, positions, slots, rows, query_start, context_lens, logits_index, *state = inputs
         metadata = PagedAttentionMetadata.of_step(
-            self.kv_cache, self.device_tables, slots, rows, query_start, context_lens, step
-        )
+            self.kv_cache, self.device_tables, slots, rows, query_start, context_lens, step,
+            recurrent=self.recurrent_step(query_start, state),
+        )  # fmt: skip
         return model_logits(self.model, input_ids[None], positions[None], logits_index, metadata)
 
 
@@ -107,6 +126,7 @@ class ModelRunner:
     On a GPU a copy of them stays on the device and follows by changed entries only, and
     a step's inputs and those entries reach the device in one copy (see `Staging`);
     `mirror_block_tables=True` keeps such a copy on the CPU too (to test it there).
+    A hybrid model's recurrent `states` go with the KV cache (see `EagerSteps`).
 
     Steps run through `executor`: `eager`, or what `step_path` makes of it
     (`engine.capabilities.step_executor`: the compiled forward or the decode graphs). Call
@@ -122,6 +142,8 @@ class ModelRunner:
         max_model_len: int,
         step_path: Callable[[EagerSteps], StepExecutor] | None = None,
         mirror_block_tables: bool | None = None,
+        states: RecurrentStates | None = None,
+        recurrent_kernels: bool = False,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -136,7 +158,7 @@ class ModelRunner:
         table = torch.from_numpy(self.block_tables.table)  # the host table's own memory
         self._device_tables = table.clone().to(self.device) if mirror else table
         self._staging = Staging(self.device)
-        self.eager = EagerSteps(model, kv_cache, self._device_tables)
+        self.eager = EagerSteps(model, kv_cache, self._device_tables, states, recurrent_kernels)
         self.executor: StepExecutor = self.eager if step_path is None else step_path(self.eager)
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:

@@ -86,6 +86,9 @@ class StepInputs:
     `num_draft_tokens + 1` tokens, in order; then its last `num_prompt_rows` entries, the
     packed indices of each chunk's prompt-logprob positions
     (`ScheduledSequence.num_prompt_logprob_rows`: the chunk's first ones), in batch order.
+    A hybrid model's steps also carry `state`: each sequence's state slot and source slot,
+    then the packed rows after which a checkpoint is copied and its slots, at least one
+    (row -1: none), as `RecurrentStep` reads them.
     """
 
     input_ids: np.ndarray
@@ -97,10 +100,11 @@ class StepInputs:
     logits_index: np.ndarray
     width: int
     num_prompt_rows: int = 0
+    state: tuple[np.ndarray, ...] = ()
 
     def arrays(self) -> tuple[np.ndarray, ...]:
-        """The seven arrays in the order the runner's forwards take them: input ids,
-        positions, slots, rows, query_start, context_lens, logits_index."""
+        """The arrays in the order the runner's forwards take them: input ids, positions,
+        slots, rows, query_start, context_lens, logits_index, then `state`'s four."""
         return (
             self.input_ids,
             self.positions,
@@ -109,6 +113,7 @@ class StepInputs:
             self.query_start,
             self.context_lens,
             self.logits_index,
+            *self.state,
         )
 
     @property
@@ -180,6 +185,32 @@ def build_step_inputs(
         logits_index=logits_index,
         width=cdiv(int(context_lens.max()), block_size),
         num_prompt_rows=num_prompt_rows,
+        state=_state_arrays(scheduled, first),
+    )
+
+
+def _state_arrays(
+    scheduled: Sequence[ScheduledSequence], first: np.ndarray
+) -> tuple[np.ndarray, ...]:
+    """A hybrid model's `StepInputs.state` (empty without recurrent state): each chunk's
+    state slot and source, and its checkpoints' packed rows (that of the position's last
+    token) and slots, one padding entry where there are none."""
+    states = [item.state for item in scheduled]
+    if not states or states[0] is None:
+        return ()
+    rows, targets = [-1], [0]
+    for item, start, state in zip(scheduled, first.tolist(), states, strict=True):
+        assert state is not None
+        for position, slot in state.checkpoints:
+            rows.append(start + position - 1 - item.num_computed_tokens)
+            targets.append(slot)
+    if len(rows) > 1:
+        rows, targets = rows[1:], targets[1:]
+    return (
+        np.asarray([state.slot for state in states], dtype=np.int64),  # type: ignore[union-attr]
+        np.asarray([state.source for state in states], dtype=np.int64),  # type: ignore[union-attr]
+        np.asarray(rows, dtype=np.int64),
+        np.asarray(targets, dtype=np.int64),
     )
 
 

@@ -1,62 +1,101 @@
 """Which models pagedserve runs exactly; the rest are refused with one line that names the
 model and what it lacks, before any request runs.
 
-Two checks. `check_config_supported` reads the config before a weight loads: every layer
-must be an attention layer (full or sliding; no recurrent, state-space, linear-attention,
-convolution or chunked layers), the model class must call transformers' attention
-interface, and the model must be a decoder. `probe_attention` then runs one token through the loaded
-model with a recording attention function: every layer's call must carry only arguments
-paged attention implements (`attention.attention_features`), and the calls give the KV
-cache's layout (K and V head sizes may differ: the cache takes the larger) and, where every
-layer slides, the window behind which blocks can be released. What a
-transformers model does in its attention call, not what its config promises, decides.
+Two checks. `check_config_supported` reads the config before a weight loads: no chunked
+attention layers, the model class must call transformers' attention interface, the model
+must be a decoder, and every module that keeps recurrent state (a depthwise causal
+convolution, a state space's `A_log`, a mixer's name) must be of a recurrent kind that
+`engine.model.recurrent` implements, found in the model built on the meta device (no
+weight allocated). `probe_attention` then runs one token through the loaded model with a
+recording attention function: every call must carry only arguments paged attention
+implements (`attention.attention_features`), and the calls give the KV cache's layout:
+which layers attend (a hybrid's others keep recurrent state, or mix no tokens at all, as
+Nemotron-H's MLP blocks), their KV shape (K and V head sizes may differ: the cache takes
+the larger) and, where every one slides, the window behind which blocks can be released.
+What a transformers model does in its attention call, not what its config promises,
+decides.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AttentionInterface, PretrainedConfig, PreTrainedModel
+from accelerate import init_empty_weights
+from transformers import (
+    AttentionInterface,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from engine.errors import UnsupportedModelError
 from engine.model.attention import attention_features
 from engine.model.kv_cache import KVLayout
+from engine.model.recurrent import recurrent_modules
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
-# Config fields that only models with recurrent (state-space) layers have.
-RECURRENT_FIELD_PREFIXES = ("mamba_", "ssm_", "linear_conv", "conv_L_cache", "block_types")
 PROBE_IMPLEMENTATION = "pagedserve_probe"
+# Module class names of token mixers that keep recurrent state (with the structural signs
+# in `_keeps_state`).
+STATEFUL_NAMES = re.compile(r"Mamba|Mixer|DeltaNet|ShortConv|RWKV|Recurrent|LinearAttention")
+IMPLEMENTED_KINDS = "Gated DeltaNet, Mamba-2 and short convolution"
 
 
 def check_config_supported(config: PretrainedConfig) -> None:
-    """Refuse, before the weights load, a model whose config shows paged attention cannot
-    run it exactly. Raises `UnsupportedModelError`."""
+    """Refuse, before the weights load, a model whose config shows paged attention and the
+    recurrent layer kinds cannot run it exactly. Raises `UnsupportedModelError`."""
     text = config.get_text_config()
     name = _name(config)
-    layer_types = set(getattr(text, "layer_types", None) or ()) - ATTENTION_LAYER_TYPES
+    layer_types = set(getattr(text, "layer_types", None) or ())
     if "chunked_attention" in layer_types or getattr(text, "attention_chunk_size", None):
         raise UnsupportedModelError(
             f"{name} has chunked local attention layers; pagedserve implements full and "
             "sliding-window attention only"
         )
-    recurrent = sorted(k for k in text.to_dict() if k.startswith(RECURRENT_FIELD_PREFIXES))
-    if layer_types or recurrent:
-        kind = ", ".join(sorted(layer_types)) if layer_types else f"state-space ({recurrent[0]})"
-        raise UnsupportedModelError(
-            f"{name} has {kind} layers, which keep recurrent state; pagedserve pages the KV "
-            "of full and sliding-window attention layers and keeps no recurrent state"
-        )
-    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
-    if model_class is not None and not getattr(model_class, "_supports_attention_backend", False):
-        raise UnsupportedModelError(
-            f"{name} does not use transformers' attention interface; pagedserve cannot page it"
-        )
     if getattr(config, "is_encoder_decoder", False) or getattr(text, "is_encoder_decoder", False):
         raise UnsupportedModelError(
             f"{name} is an encoder-decoder model; pagedserve serves decoders"
         )
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        return
+    # A hybrid's classes do not claim the flag, though their attention modules call the
+    # interface; `probe_attention` checks every layer's call.
+    hybrid = _check_recurrent_layers(config, name)
+    if not hybrid and not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedModelError(
+            f"{name} does not use transformers' attention interface; pagedserve cannot page it"
+        )
+
+
+def _check_recurrent_layers(config: PretrainedConfig, name: str) -> bool:
+    """Whether the model, built on the meta device, has recurrent layers; refuse one with
+    a stateful token mixer of no implemented recurrent kind."""
+    with init_empty_weights(include_buffers=True):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    implemented = {type(module) for module in recurrent_modules(skeleton).values()}
+    for module in skeleton.modules():
+        if type(module) in implemented or not _keeps_state(module):
+            continue
+        if not any(_keeps_state(child) for child in module.children()):  # the mixer itself
+            raise UnsupportedModelError(
+                f"{name} has {type(module).__name__} layers, which keep recurrent state of a "
+                f"kind pagedserve does not implement (it runs {IMPLEMENTED_KINDS} layers)"
+            )
+    return bool(implemented)
+
+
+def _keeps_state(module: torch.nn.Module) -> bool:
+    """Whether `module` looks like a token mixer with recurrent state: a depthwise
+    convolution or a state space's `A_log` of its own, or a mixer's name."""
+    if "A_log" in module._parameters:
+        return True
+    for child in module.children():
+        if isinstance(child, torch.nn.Conv1d) and child.groups == child.in_channels > 1:
+            return True
+    return bool(STATEFUL_NAMES.search(type(module).__name__))
 
 
 @dataclass
@@ -72,7 +111,8 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
     """Run one token through `model` with a recording attention function and return the
     KV layout its calls show. Raises `UnsupportedModelError` where a call passes an
     argument paged attention does not implement (naming the model and the argument), a
-    layer never calls the attention interface, or the layers differ in KV shape."""
+    layer with attention never calls the attention interface, no layer attends, or the
+    attending layers differ in KV shape."""
     name = _name(model.config)
     calls = _Calls()
 
@@ -107,16 +147,29 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
         raise UnsupportedModelError(f"{name}: {exc}") from None
     finally:
         model.config._attn_implementation = serving
-    return _layout(name, model.config.get_text_config(), calls)
+    return _layout(name, model, calls)
 
 
-def _layout(name: str, text: PretrainedConfig, calls: _Calls) -> KVLayout:
-    num_layers = text.num_hidden_layers
-    missing = sorted(set(range(num_layers)) - set(calls.shapes))
-    if missing:
+def _layout(name: str, model: PreTrainedModel, calls: _Calls) -> KVLayout:
+    """The KV layout of the layers that attend. A layer that made no attention call must
+    keep recurrent state (`engine.model.recurrent`) or hold no attention module at all (a
+    block of an MLP only)."""
+    num_layers = model.config.get_text_config().num_hidden_layers
+    recurrent = recurrent_modules(model)
+    attention = {
+        int(module.layer_idx)
+        for module in model.modules()
+        if type(module).__name__.endswith("Attention")
+        and isinstance(getattr(module, "layer_idx", None), int)
+    }
+    for layer in sorted(set(range(num_layers)) - set(calls.shapes)):
+        if layer in attention and layer not in recurrent:
+            raise UnsupportedModelError(
+                f"{name}: layer {layer} attends without transformers' attention interface"
+            )
+    if not calls.shapes:
         raise UnsupportedModelError(
-            f"{name}: layer {missing[0]} does not call transformers' attention interface "
-            "(it keeps state pagedserve does not page)"
+            f"{name}: no layer attends; pagedserve serves models with attention layers"
         )
     shapes = set(calls.shapes.values())
     if len(shapes) != 1:
@@ -127,7 +180,9 @@ def _layout(name: str, text: PretrainedConfig, calls: _Calls) -> KVLayout:
     kv_heads, key_size, value_size = shapes.pop()
     windows = calls.windows.values()
     window = max(windows) if all(windows) else 0
-    return KVLayout(num_layers, kv_heads, max(key_size, value_size), window)
+    layers = tuple(sorted(calls.shapes))
+    hybrid = () if len(layers) == num_layers else layers
+    return KVLayout(len(layers), kv_heads, max(key_size, value_size), window, hybrid)
 
 
 def _name(config: PretrainedConfig) -> str:

@@ -85,7 +85,7 @@ def _blocks(**overrides: object) -> int:
     measured: dict = dict(cpu_available=8 * GIB)
     measured.update({name: value for name, value in overrides.items() if name in MEASURED})
     settings = {name: value for name, value in overrides.items() if name not in MEASURED}
-    return num_kv_blocks(_sizing(**settings), **measured)
+    return num_kv_blocks(_sizing(**settings), **measured).num_blocks
 
 
 def test_num_kv_blocks_cpu_and_kv_cache_memory_cap() -> None:
@@ -136,10 +136,10 @@ def test_too_small_names_the_setting_to_change() -> None:
 def test_profile_num_blocks_reads_psutil_on_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     fake_memory = SimpleNamespace(available=8 * GIB, total=16 * GIB)
     monkeypatch.setattr(cache.profiling.psutil, "virtual_memory", lambda: fake_memory)
-    blocks = profile_num_blocks(_sizing())
+    blocks = profile_num_blocks(_sizing()).num_blocks
     assert blocks == CPU_DEFAULT_KV_CACHE_MEMORY // BLOCK
     monkeypatch.setattr(fake_memory, "available", GIB)
-    assert profile_num_blocks(_sizing()) == GIB // 2 // BLOCK
+    assert profile_num_blocks(_sizing()).num_blocks == GIB // 2 // BLOCK
 
 
 def test_profile_num_blocks_reads_the_given_cuda_callables() -> None:
@@ -152,5 +152,5 @@ def test_profile_num_blocks_reads_the_given_cuda_callables() -> None:
             "allocated_bytes.all.current": 5 * GIB,
             "allocated_bytes.all.peak": 7 * GIB,
         },
-    )
+    ).num_blocks
     assert blocks == 2 * GIB // BLOCK
