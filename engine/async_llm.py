@@ -185,6 +185,7 @@ class AsyncLLM:
             engine.grammars,
             engine.processor.limits,
             engine.processor.scheduling_policy,
+            engine.processor.turn_checkpoints,
         )
         # The ids grammars match only as tokens (Qwen's <tool_call> and <think> among them).
         self.special_tokens = SpecialTokens.of(engine.tokenizer, engine.vocab_size)

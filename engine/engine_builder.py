@@ -83,6 +83,7 @@ class EngineBuilder:
             self.grammars,
             config.request_limits(),
             config.scheduling_policy,
+            turn_checkpoints=self.recurrent is not None,
         )
         self.async_scheduling = self._schedules_ahead(config)
         logger.info(

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 Prompt = str | list[int]
 # One chat message as the tokenizer's chat template reads it: {"role": ..., "content": ...}.
 Message = dict[str, Any]
+# A message's content no real one begins with (`RequestProcessor.turn_starts`).
+_ANOTHER_TEXT = "\x1f"
 
 
 class ChatTemplateError(ValueError):
@@ -56,6 +58,9 @@ class EngineRequest:
     block_hashes: tuple[int, ...] = ()
     # The LoRA adapter it runs with (engine/adapters.py); None: the base model.
     lora_name: str | None = None
+    # Where a conversation's turns begin in the prompt, in tokens, for a model with
+    # recurrent layers (`Sequence.checkpoint_positions`); empty otherwise.
+    checkpoint_positions: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,7 +108,9 @@ class RequestProcessor:
     gets a tokenizer of its own. `limits` are the engine's settings that every request's
     params are checked against (`EngineConfig.request_limits()`); under the engine's
     `scheduling_policy` fcfs, which orders by arrival alone, a `priority` other than 0 is
-    refused rather than ignored (as vLLM documents it, and as its V0 engine did).
+    refused rather than ignored (as vLLM documents it, and as its V0 engine did). With
+    `turn_checkpoints` (a model with recurrent layers) a conversation's request also says
+    where its first and last user messages begin (`turn_starts`).
     """
 
     def __init__(
@@ -114,6 +121,7 @@ class RequestProcessor:
         grammars: ConstraintCompiler | None = None,
         limits: RequestLimits = DEFAULT_LIMITS,
         scheduling_policy: SchedulingPolicy = "fcfs",
+        turn_checkpoints: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
@@ -121,6 +129,7 @@ class RequestProcessor:
         self.grammars = grammars
         self.limits = limits
         self.scheduling_policy = scheduling_policy
+        self.turn_checkpoints = turn_checkpoints
 
     def from_prompt(self, prompt: Prompt, params: SamplingParams) -> EngineRequest:
         """Raises ValueError, with the numbers, for a prompt the engine can never serve."""
@@ -147,7 +156,37 @@ class RequestProcessor:
     ) -> EngineRequest:
         """The conversation through the tokenizer's chat template, assistant turn opened."""
         prompt = self.render_chat(messages, tools=tools, template_kwargs=template_kwargs)
-        return self._checked(prompt, params, None)
+        request = self._checked(prompt, params, None)
+        if not self.turn_checkpoints:
+            return request
+        starts = self.turn_starts(messages, prompt, tools, template_kwargs)
+        return dataclasses.replace(request, checkpoint_positions=starts)
+
+    def turn_starts(
+        self,
+        messages: list[Message],
+        prompt: list[int],
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[int, ...]:
+        """Where the content of the conversation's first and of its last user message
+        begins in `prompt` (its tokens), ascending: a later request that shares this
+        conversation up to one of them (another question after the same system prompt;
+        the same conversation asked again) parts from this one there. Found by rendering
+        the conversation once more with that message's content changed, whatever the
+        template does around it; a template that refuses the change gives no position."""
+        users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
+        starts = set()
+        for index in {users[0], users[-1]} if users else set():
+            changed = list(messages)
+            changed[index] = {**messages[index], "content": _ANOTHER_TEXT}
+            try:
+                other = self.render_chat(changed, tools=tools, template_kwargs=template_kwargs)
+            except ChatTemplateError:
+                continue
+            pairs = enumerate(zip(prompt, other, strict=False))
+            starts.add(next((i for i, (a, b) in pairs if a != b), min(len(prompt), len(other))))
+        return tuple(sorted(starts))
 
     def render_chat(
         self,

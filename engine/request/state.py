@@ -65,6 +65,7 @@ class RequestState:
             seq = Sequence(
                 seq_id, request_id, prompt_ids, request.max_tokens, index=index,
                 priority=params.priority, prompt_logprobs=wants_prompt_logprobs and index == 0,
+                checkpoint_positions=request.checkpoint_positions,
             )  # fmt: skip
             if adapter is not None:
                 seq.lora_slot = adapter.slot
