@@ -77,6 +77,7 @@ class LLMEngine:
         self.eos_token_ids, self.vocab_size = parts.eos_token_ids, parts.vocab_size
         self.default_sampling = parts.default_sampling
         self.kv_layout, self.attention = parts.kv_layout, parts.attention
+        self.recurrent, self.num_state_slots = parts.recurrent, parts.num_state_slots
         self.adapters = parts.adapters
         self.compiled, self.decode_graphs = parts.compiled, parts.decode_graphs
         self.max_model_len = parts.max_model_len

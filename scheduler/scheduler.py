@@ -578,9 +578,10 @@ class Scheduler:
     def _state_step(self, seq: Sequence, start: int, end: int, admitted: bool) -> StateStep | None:
         """Where a hybrid model's chunk of positions `[start, end)` reads and leaves its
         recurrent state (None without recurrent layers), with the checkpoints it writes: at
-        the block boundaries, within the chunk, that end the prompt's turns and the prompt,
-        and where the prefix cache's blocks ran out for it at admission (another prompt
-        parted from it there, so the next one that shares the prefix resumes from it)."""
+        the block boundaries, within the chunk, at or before the prompt's turn starts and
+        its last token, and where the prefix cache's blocks ran out for it at admission
+        (another prompt parted from it there, so the next one that shares the prefix
+        resumes from it)."""
         manager = self.block_manager
         if manager.state_pool is None:
             return None
@@ -591,7 +592,9 @@ class Scheduler:
         size = manager.block_size
         wanted = {
             *seq.checkpoint_positions,
-            seq.num_prompt_tokens,
+            # The last full block before the prompt's last token: a hit on this prompt
+            # again, or on one that extends it, ends there (a hit leaves the last token).
+            seq.num_prompt_tokens - 1,
             min(manager.checkpoint_hint(seq.seq_id), seq.num_prompt_tokens),
         }
         checkpoints = []

@@ -41,6 +41,8 @@ PROBE_IMPLEMENTATION = "pagedserve_probe"
 # in `_keeps_state`).
 STATEFUL_NAMES = re.compile(r"Mamba|Mixer|DeltaNet|ShortConv|RWKV|Recurrent|LinearAttention")
 IMPLEMENTED_KINDS = "Gated DeltaNet, Mamba-2 and short convolution"
+# Modules of sparse attention: DeepSeek V3.2's indexer, V4's compressors.
+SPARSE_NAMES = re.compile(r"Indexer$|Compressor$")
 
 
 def check_config_supported(config: PretrainedConfig) -> None:
@@ -72,14 +74,27 @@ def check_config_supported(config: PretrainedConfig) -> None:
 
 def _check_recurrent_layers(config: PretrainedConfig, name: str) -> bool:
     """Whether the model, built on the meta device, has recurrent layers; refuse one with
-    a stateful token mixer of no implemented recurrent kind."""
+    a stateful token mixer of no implemented recurrent kind (the innermost module that
+    looks stateful, so the mixer rather than the layer or model holding it)."""
     with init_empty_weights(include_buffers=True):
         skeleton = AutoModelForCausalLM.from_config(config)
-    implemented = {type(module) for module in recurrent_modules(skeleton).values()}
     for module in skeleton.modules():
-        if type(module) in implemented or not _keeps_state(module):
-            continue
-        if not any(_keeps_state(child) for child in module.children()):  # the mixer itself
+        if SPARSE_NAMES.search(type(module).__name__):
+            raise UnsupportedModelError(
+                f"{name} has sparse attention ({type(module).__name__} selects or compresses "
+                "the keys a query attends to); pagedserve implements full and sliding-window "
+                "attention"
+            )
+    implemented = {type(module) for module in recurrent_modules(skeleton).values()}
+    marked = [
+        (path, module)
+        for path, module in skeleton.named_modules()
+        if type(module) in implemented or _keeps_state(module)
+    ]
+    paths = [path for path, _ in marked]
+    for path, module in marked:
+        outer = any(not path or other.startswith(f"{path}.") for other in paths if other != path)
+        if type(module) not in implemented and not outer:
             raise UnsupportedModelError(
                 f"{name} has {type(module).__name__} layers, which keep recurrent state of a "
                 f"kind pagedserve does not implement (it runs {IMPLEMENTED_KINDS} layers)"
@@ -89,13 +104,14 @@ def _check_recurrent_layers(config: PretrainedConfig, name: str) -> bool:
 
 def _keeps_state(module: torch.nn.Module) -> bool:
     """Whether `module` looks like a token mixer with recurrent state: a depthwise
-    convolution or a state space's `A_log` of its own, or a mixer's name."""
+    convolution or a state space's `A_log` of its own, or a mixer's name and projections."""
     if "A_log" in module._parameters:
         return True
-    for child in module.children():
-        if isinstance(child, torch.nn.Conv1d) and child.groups == child.in_channels > 1:
-            return True
-    return bool(STATEFUL_NAMES.search(type(module).__name__))
+    children = list(module.children())
+    if any(isinstance(c, torch.nn.Conv1d) and c.groups == c.in_channels > 1 for c in children):
+        return True
+    named = bool(STATEFUL_NAMES.search(type(module).__name__))
+    return named and any(isinstance(child, torch.nn.Linear) for child in children)
 
 
 @dataclass

@@ -169,19 +169,24 @@ class RequestProcessor:
         tools: list[dict[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> tuple[int, ...]:
-        """Where the content of the conversation's first and of its last user message
-        begins in `prompt` (its tokens), ascending: a later request that shares this
-        conversation up to one of them (another question after the same system prompt;
-        the same conversation asked again) parts from this one there. Found by rendering
-        the conversation once more with that message's content changed, whatever the
-        template does around it; a template that refuses the change gives no position."""
+        """Where, in `prompt` (its tokens), the content of the conversation's first and of
+        its last user message begin, and where the assistant's turn opens, ascending: a
+        later request that shares this conversation up to one of them (another question
+        after the same system prompt; the same conversation asked again; its next turn,
+        whose template may write this turn's opening otherwise) parts from this one
+        there. Found by rendering the conversation again, with that message's content
+        changed or without the assistant's opening, whatever the template does around
+        them; a rendering the template refuses gives no position."""
         users = [i for i, message in enumerate(messages) if message.get("role") == "user"]
-        starts = set()
+        variants = [(messages, False)]
         for index in {users[0], users[-1]} if users else set():
             changed = list(messages)
             changed[index] = {**messages[index], "content": _ANOTHER_TEXT}
+            variants.append((changed, True))
+        starts = set()
+        for variant, opened in variants:
             try:
-                other = self.render_chat(changed, tools=tools, template_kwargs=template_kwargs)
+                other = self.render_chat(variant, opened, tools, template_kwargs)
             except ChatTemplateError:
                 continue
             pairs = enumerate(zip(prompt, other, strict=False))

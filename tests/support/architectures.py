@@ -72,6 +72,77 @@ SERVED: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
 }
+# Hybrid models: recurrent layers (Gated DeltaNet, Mamba-2, short convolutions) beside
+# attention, one of each kind of layer.
+DELTA_NET = {
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
+    "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4,
+}  # fmt: skip
+MOE_QWEN = {
+    "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+}  # fmt: skip
+MAMBA = {"mamba_n_heads": 8, "mamba_d_head": 32, "mamba_d_state": 16, "mamba_n_groups": 2}
+HYBRID: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_5": (
+        "qwen3_5_text",
+        {"layer_types": ["linear_attention", "full_attention"], **DELTA_NET},
+    ),
+    "qwen3_5_moe": (
+        "qwen3_5_moe_text",
+        {"layer_types": ["linear_attention", "full_attention"], **DELTA_NET, **MOE_QWEN},
+    ),
+    "qwen3_next": (
+        "qwen3_next",
+        {"layer_types": ["linear_attention", "full_attention"], **DELTA_NET, **MOE_QWEN},
+    ),
+    "olmo_hybrid": (
+        "olmo_hybrid",
+        {"layer_types": ["linear_attention", "full_attention"], **DELTA_NET},
+    ),
+    "lfm2": ("lfm2", {"layer_types": ["conv", "full_attention"], "head_dim": OMIT}),
+    "lfm2_moe": (
+        "lfm2_moe",
+        {
+            "layer_types": ["conv", "full_attention"],
+            "head_dim": OMIT,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "num_dense_layers": 1,
+        },
+    ),
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        {
+            "layer_types": ["mamba", "attention"],
+            **MAMBA,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "shared_intermediate_size": 64,
+        },
+    ),
+    # Mamba, attention, MLP: Nemotron-H's MLP blocks mix no tokens.
+    "nemotron_h": (
+        "nemotron_h",
+        {
+            "hybrid_override_pattern": "M*-",
+            "num_hidden_layers": 3,
+            "mamba_num_heads": 8,
+            "mamba_head_dim": 32,
+            "ssm_state_size": 16,
+            "n_groups": 2,
+        },
+    ),
+    # Every layer has attention and a Mamba-2 mixer side by side.
+    "falcon_h1": ("falcon_h1", {**MAMBA, "mamba_d_ssm": 256}),
+    "bamba": ("bamba", {**MAMBA, "attn_layer_indices": [1]}),
+    # Granite 4.0's attention-only models: a hybrid's config, mamba fields unused.
+    "granitemoehybrid-attention": (
+        "granitemoehybrid",
+        {"layer_types": ["attention", "attention"], **MAMBA},
+    ),
+}
 
 
 def tiny_config(model_type: str, fields: dict[str, Any], tokenizer) -> Any:

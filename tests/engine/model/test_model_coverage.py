@@ -22,6 +22,7 @@ from cache import bytes_per_block
 from engine import LLM
 from engine.errors import UnsupportedModelError
 from tests.support.architectures import (
+    HYBRID,
     OMIT,
     SERVED,
     build,
@@ -38,16 +39,21 @@ pytestmark = pytest.mark.slow
 REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
     "falcon": ("falcon", {"head_dim": OMIT}, "attention interface"),
     "bloom": ("bloom", {}, "attention interface"),
-    "mamba": ("mamba", {}, "recurrent state"),
-    "qwen3_next": ("qwen3_next", {}, "recurrent state"),
-    "jamba": ("jamba", {}, "recurrent state"),
-    "falcon_h1": ("falcon_h1", {}, "recurrent state"),
-    "granitemoehybrid": ("granitemoehybrid", {}, "recurrent state"),
+    # Mamba-1's selective scan (one state per channel) is not a kind pagedserve runs.
+    "mamba": ("mamba", {}, "MambaMixer layers, which keep recurrent state"),
+    "jamba": ("jamba", {}, "JambaMambaMixer layers, which keep recurrent state"),
+    "falcon_mamba": ("falcon_mamba", {}, "FalconMambaMixer layers, which keep recurrent state"),
     "llama4-chunked": ("llama4_text", {"attention_chunk_size": 32}, "chunked"),
+    "deepseek_v32": ("deepseek_v32", {}, "sparse attention \\(DeepseekV32Indexer"),
 }
 
-# Run again with preemption (it doubles a case's time): the features' and MLA's models.
-PREEMPTED = {"qwen2-sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3-mla"}
+# Run again with preemption (it doubles a case's time): the features' and MLA's models, and
+# a hybrid of each recurrent kind.
+PREEMPTED = {
+    "qwen2-sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3-mla", "qwen3_5", "lfm2",
+    "granitemoehybrid",
+}  # fmt: skip
+MODELS = {**SERVED, **HYBRID}
 SETTINGS = {
     "default": {},
     "chunked": {"max_num_batched_tokens": 20},
@@ -55,9 +61,9 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SERVED))
+@pytest.mark.parametrize("name", list(MODELS))
 def test_served_architectures_match_generate(tmp_path: Path, name: str):
-    model_type, fields = SERVED[name]
+    model_type, fields = MODELS[name]
     folder = build(tmp_path / name, model_type, fields)
     batch = prompts(AutoConfig.from_pretrained(folder).get_text_config().vocab_size)
     expected = reference(folder, batch)
@@ -73,12 +79,18 @@ def test_served_architectures_match_generate(tmp_path: Path, name: str):
     # 14 blocks of 16 tokens for 23 prompt blocks: sequences wait, grow and are preempted.
     layout = llm.engine.kv_layout
     block_bytes = bytes_per_block(layout.num_layers, 16, layout.num_kv_heads, layout.head_dim, 4)
+    budget, hybrid = 14 * block_bytes, {}
+    if llm.engine.recurrent is not None:  # and 8 state slots beside them
+        state_bytes = 8 * llm.engine.recurrent.bytes_per_slot
+        budget += state_bytes
+        hybrid = {"state_share": (state_bytes + 1) / budget, "max_num_seqs": 4}
     small = LLM(
-        str(folder), dtype="float32", kv_cache_memory=14 * block_bytes, max_model_len=128,
-        watermark=0,
+        str(folder), dtype="float32", kv_cache_memory=budget, max_model_len=128, watermark=0,
+        **hybrid,
     )  # fmt: skip
     assert greedy(small, batch) == expected, f"{name} with preemption"
     assert small.engine.scheduler.num_preemptions > 0
+    assert small.engine.num_kv_blocks == 14
 
 
 @pytest.mark.parametrize("name", list(REFUSED))
