@@ -44,22 +44,22 @@
 
 namespace {
 
-// W fp32 lanes as one GCC vector (split into the target's registers). Spelled out per
-// width: GCC drops a vector_size that depends on a template parameter.
+// W fp32 lanes as one GCC vector (split into the target's registers), with the 16-bit and
+// 32-bit integer vectors of as many lanes that widen bf16 values. Spelled out per width:
+// GCC drops a vector_size that depends on a template parameter.
 template <int W>
 struct LanesOf;
-template <>
-struct LanesOf<16> {
-  typedef float type __attribute__((vector_size(16 * sizeof(float))));
-};
-template <>
-struct LanesOf<8> {
-  typedef float type __attribute__((vector_size(8 * sizeof(float))));
-};
-template <>
-struct LanesOf<4> {
-  typedef float type __attribute__((vector_size(4 * sizeof(float))));
-};
+#define PAGEDSERVE_LANES(W)                                                     \
+  template <>                                                                   \
+  struct LanesOf<W> {                                                           \
+    typedef float type __attribute__((vector_size(W * sizeof(float))));         \
+    typedef uint16_t halves __attribute__((vector_size(W * sizeof(uint16_t)))); \
+    typedef uint32_t words __attribute__((vector_size(W * sizeof(uint32_t))));  \
+  };
+PAGEDSERVE_LANES(16)
+PAGEDSERVE_LANES(8)
+PAGEDSERVE_LANES(4)
+#undef PAGEDSERVE_LANES
 template <int W>
 using Lanes = typename LanesOf<W>::type;
 
@@ -70,11 +70,16 @@ inline Lanes<W> load(const float* p) {
   return v;
 }
 
+// W bf16 values widened to fp32: a bf16 value is the upper half of the fp32 value with
+// the same bits.
 template <int W>
 inline Lanes<W> load(const at::BFloat16* p) {
-  float values[W];
-  for (int i = 0; i < W; ++i) values[i] = static_cast<float>(p[i]);
-  return load<W>(values);
+  typename LanesOf<W>::halves halves;
+  std::memcpy(&halves, p, sizeof(halves));
+  const auto words = __builtin_convertvector(halves, typename LanesOf<W>::words) << 16;
+  Lanes<W> v;
+  std::memcpy(&v, &words, sizeof(v));
+  return v;
 }
 
 template <int W>
@@ -148,47 +153,76 @@ void parallel_items(int64_t n, const F& f) {
 int strip_width(int64_t size) { return size % 16 == 0 ? 16 : size % 8 == 0 ? 8 : size % 4 == 0 ? 4 : 0; }
 
 // ---- causal convolution --------------------------------------------------------------
+//
+// An output row reads only the K inputs up to it, not earlier outputs: rows are computed
+// in parallel, each channel vector with the same operations in the same order (the taps
+// from the oldest input to its own). Each sequence's window is copied out of its slot
+// first (a sequence may leave its state where it read it), the new windows and the
+// checkpoints' written last, from the inputs.
+
+constexpr int64_t kConvRows = 16;  // rows of one work item
 
 template <int W, typename T>
-void conv_item(const T* x, const float* weight, const float* bias, float* conv_layer,
-               float* out, int64_t C, int64_t K, int64_t slot_stride, const Slots& s,
-               int64_t b, int64_t c0) {
-  const int64_t taps = K - 1;
-  Lanes<W> window[16];  // the last K - 1 inputs; kernels are short (4 at most in practice)
-  Lanes<W> w[17];
-  for (int64_t k = 0; k < K; ++k) w[k] = load<W>(weight + k * C + c0);
-  const Lanes<W> initial = bias ? load<W>(bias + c0) : splat<W>(0.f);
-  const int64_t source = s.sources[b];
-  for (int64_t k = 0; k < taps; ++k)
-    window[k] = source >= 0 ? load<W>(conv_layer + source * slot_stride + k * C + c0) : splat<W>(0.f);
-  auto save = [&](int64_t slot) {
-    for (int64_t k = 0; k < taps; ++k) store<W>(conv_layer + slot * slot_stride + k * C + c0, window[k]);
-  };
-  size_t next = s.first_checkpoint(s.starts[b]);
-  for (int64_t t = s.starts[b]; t < s.starts[b + 1]; ++t) {
-    const Lanes<W> input = load<W>(x + t * C + c0);
-    Lanes<W> acc = initial;
-    for (int64_t k = 0; k < taps; ++k) acc += w[k] * window[k];
-    acc += w[taps] * input;
-    store<W>(out + t * C + c0, acc);
-    for (int64_t k = 0; k + 1 < taps; ++k) window[k] = window[k + 1];
-    if (taps) window[taps - 1] = input;
-    for (; next < s.checkpoints.size() && s.checkpoints[next].first == t; ++next)
-      save(s.checkpoints[next].second);
+struct ConvInputs {
+  const T* x;
+  const float* windows;  // [B, K - 1, C]: each sequence's inputs before its first row
+  int64_t C, taps;
+
+  // The vector of channels [c0, c0 + W) of sequence b's input row j (negative: from its
+  // window), whose first row is packed row `first`.
+  Lanes<W> at(int64_t b, int64_t first, int64_t j, int64_t c0) const {
+    if (j < 0) return load<W>(windows + (b * taps + taps + j) * C + c0);
+    return load<W>(x + (first + j) * C + c0);
   }
-  save(s.slots[b]);
+};
+
+template <int W, typename T>
+void conv_rows(const ConvInputs<W, T>& in, const float* weight, const float* bias, float* out,
+               int64_t b, int64_t first, int64_t r0, int64_t r1) {
+  for (int64_t j = r0; j < r1; ++j) {
+    for (int64_t c0 = 0; c0 < in.C; c0 += W) {
+      Lanes<W> acc = bias ? load<W>(bias + c0) : Lanes<W>{};
+      for (int64_t k = 0; k <= in.taps; ++k)
+        acc += load<W>(weight + k * in.C + c0) * in.at(b, first, j - in.taps + k, c0);
+      store<W>(out + (first + j) * in.C + c0, acc);
+    }
+  }
+}
+
+// Copies sequence b's K - 1 inputs up to its row `last` (a row index within the sequence,
+// -1: before its first row) into `target`, [K - 1, C].
+template <int W, typename T>
+void save_window(const ConvInputs<W, T>& in, int64_t b, int64_t first, int64_t last, float* target) {
+  for (int64_t k = 0; k < in.taps; ++k)
+    for (int64_t c0 = 0; c0 < in.C; c0 += W)
+      store<W>(target + k * in.C + c0, in.at(b, first, last - in.taps + 1 + k, c0));
 }
 
 template <int W, typename T>
 void conv_all(const torch::Tensor& x, const float* weight, const float* bias, float* conv_layer,
               float* out, int64_t K, int64_t slot_stride, const Slots& s) {
-  const int64_t C = x.size(1);
-  const int64_t strips = C / W;
-  const T* xp = x.data_ptr<T>();
-  parallel_items(s.num_seqs() * strips, [&](int64_t item) {
-    conv_item<W, T>(xp, weight, bias, conv_layer, out, C, K, slot_stride, s, item / strips,
-                    (item % strips) * W);
+  const int64_t C = x.size(1), taps = K - 1, B = s.num_seqs();
+  std::vector<float> windows(std::max<int64_t>(B * taps * C, 1), 0.f);
+  for (int64_t b = 0; b < B; ++b)
+    if (s.sources[b] >= 0)
+      std::memcpy(windows.data() + b * taps * C, conv_layer + s.sources[b] * slot_stride,
+                  taps * C * sizeof(float));
+  const ConvInputs<W, T> in{x.data_ptr<T>(), windows.data(), C, taps};
+  std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, first row of the item)
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = 0; r < s.starts[b + 1] - s.starts[b]; r += kConvRows) items.emplace_back(b, r);
+  parallel_items(static_cast<int64_t>(items.size()), [&](int64_t item) {
+    const auto [b, r0] = items[item];
+    const int64_t rows = s.starts[b + 1] - s.starts[b];
+    conv_rows<W, T>(in, weight, bias, out, b, s.starts[b], r0, std::min(r0 + kConvRows, rows));
   });
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t first = s.starts[b], rows = s.starts[b + 1] - first;
+    for (size_t i = s.first_checkpoint(first); i < s.checkpoints.size() && s.checkpoints[i].first < first + rows; ++i)
+      save_window<W, T>(in, b, first, s.checkpoints[i].first - first,
+                        conv_layer + s.checkpoints[i].second * slot_stride);
+    save_window<W, T>(in, b, first, rows - 1, conv_layer + s.slots[b] * slot_stride);
+  }
 }
 
 torch::Tensor causal_conv(torch::Tensor x, torch::Tensor weight, std::optional<torch::Tensor> bias,
@@ -202,8 +236,8 @@ torch::Tensor causal_conv(torch::Tensor x, torch::Tensor weight, std::optional<t
               "x is [T, C] fp32 or bf16");
   const int64_t C = x.size(1), K = weight.size(0);
   TORCH_CHECK(weight.scalar_type() == torch::kFloat32 && weight.is_contiguous() && weight.dim() == 2 &&
-                  weight.size(1) == C && K >= 1 && K <= 17,
-              "weight is [K, C] fp32, contiguous, K <= 17");
+                  weight.size(1) == C && K >= 1,
+              "weight is [K, C] fp32, contiguous");
   TORCH_CHECK(conv.size(2) == K - 1 && conv.size(3) == C, "conv states are [L, S, K - 1, C]");
   TORCH_CHECK(s.starts.back() == x.size(0), "query_start does not cover x's rows");
   const float* bias_ptr = nullptr;
@@ -254,6 +288,36 @@ struct Strip {
   }
 };
 
+// sum_i weights[i] * update(row i, i) over the strip's rows, storing each updated row
+// back where `write`; the rows are summed in four interleaved runs (i mod 4) added
+// pairwise at the end: four chains of fused multiply-adds in registers, in one fixed
+// order for every row count.
+template <int W, typename Update>
+inline Lanes<W> sum_rows(Strip<W>& st, const float* weights, const Update& update, bool write) {
+  Lanes<W> s0{}, s1{}, s2{}, s3{};
+  int64_t i = 0;
+  for (; i + 4 <= st.num_rows; i += 4) {
+    const Lanes<W> r0 = update(st.rows[i], i), r1 = update(st.rows[i + 1], i + 1);
+    const Lanes<W> r2 = update(st.rows[i + 2], i + 2), r3 = update(st.rows[i + 3], i + 3);
+    if (write) {
+      st.rows[i] = r0;
+      st.rows[i + 1] = r1;
+      st.rows[i + 2] = r2;
+      st.rows[i + 3] = r3;
+    }
+    s0 += weights[i] * r0;
+    s1 += weights[i + 1] * r1;
+    s2 += weights[i + 2] * r2;
+    s3 += weights[i + 3] * r3;
+  }
+  for (; i < st.num_rows; ++i) {
+    const Lanes<W> r = update(st.rows[i], i);
+    if (write) st.rows[i] = r;
+    s0 += weights[i] * r;
+  }
+  return (s0 + s1) + (s2 + s3);
+}
+
 // The state matrix of `head` in `slot` of one layer's states, at strip offset `lane0`.
 inline float* matrix(float* layer_states, int64_t slot, int64_t head, int64_t slot_stride,
                      int64_t head_stride, int64_t lane0) {
@@ -276,21 +340,12 @@ void delta_item(const float* q, const float* k, const float* v, const float* g,
     const float* qt = q + (t * Hk + kh) * Dk;
     const float* kt = k + (t * Hk + kh) * Dk;
     const float decay = std::exp(g[t * Hv + h]);
-    Lanes<W> kv[4] = {};
-    for (int64_t i = 0; i < Dk; ++i) {
-      const Lanes<W> decayed = st.rows[i] * decay;
-      st.rows[i] = decayed;
-      kv[i & 3] += kt[i] * decayed;
-    }
-    const Lanes<W> delta =
-        (load<W>(v + (t * Hv + h) * Dv + lane0) - ((kv[0] + kv[1]) + (kv[2] + kv[3]))) * beta[t * Hv + h];
-    Lanes<W> o[4] = {};
-    for (int64_t i = 0; i < Dk; ++i) {
-      const Lanes<W> updated = st.rows[i] + kt[i] * delta;
-      st.rows[i] = updated;
-      o[i & 3] += qt[i] * updated;
-    }
-    store<W>(out + (t * Hv + h) * Dv + lane0, (o[0] + o[1]) + (o[2] + o[3]));
+    // k^T (decay S), as decay (k^T S): one pass over the strip reads it, one updates it.
+    const Lanes<W> kv = sum_rows(st, kt, [](Lanes<W> row, int64_t) { return row; }, false) * decay;
+    const Lanes<W> delta = (load<W>(v + (t * Hv + h) * Dv + lane0) - kv) * beta[t * Hv + h];
+    const Lanes<W> o = sum_rows(
+        st, qt, [&](Lanes<W> row, int64_t i) { return row * decay + kt[i] * delta; }, true);
+    store<W>(out + (t * Hv + h) * Dv + lane0, o);
     for (; next < s.checkpoints.size() && s.checkpoints[next].first == t; ++next)
       st.store_to(matrix(layer_states, s.checkpoints[next].second, h, slot_stride, head_stride, lane0));
   }
@@ -353,13 +408,9 @@ void ssd_item(const float* x, const float* dt, const float* a, const float* bm,
     const Lanes<W> u = xt * step;
     const float* bt = bm + (t * G + group) * N;
     const float* ct = cm + (t * G + group) * N;
-    Lanes<W> y[4] = {};
-    for (int64_t n = 0; n < N; ++n) {
-      const Lanes<W> updated = st.rows[n] * decay + bt[n] * u;
-      st.rows[n] = updated;
-      y[n & 3] += ct[n] * updated;
-    }
-    store<W>(out + (t * H + h) * P + lane0, ((y[0] + y[1]) + (y[2] + y[3])) + d[h] * xt);
+    const Lanes<W> y = sum_rows(
+        st, ct, [&](Lanes<W> row, int64_t n) { return row * decay + bt[n] * u; }, true);
+    store<W>(out + (t * H + h) * P + lane0, y + d[h] * xt);
     for (; next < s.checkpoints.size() && s.checkpoints[next].first == t; ++next)
       st.store_to(matrix(layer_states, s.checkpoints[next].second, h, slot_stride, head_stride, lane0));
   }
