@@ -27,12 +27,12 @@
 // prefill and a recomputation after preemption give the bits of one whole prefill.
 //
 // Layout and work. The matrices are walked in strips of W lanes along their last axis
-// (Dv, P; C for the convolution): the lanes never meet, so a strip's state (rows x W
-// fp32, 8 KiB for 128 rows of 16) stays in L1 across all of the sequence's rows of the
-// step, and the sums over rows (k^T S, q^T S, c^T S) are lane-wise, with no horizontal
-// reduction. Work items are (sequence, head, strip), shared among torch's OpenMP threads.
-// The recurrence of one item is sequential by nature; its cost per row is about three
-// fused multiply-adds per state element, a few percent of a prefill's linears.
+// (Dv, P): the lanes never meet, so a strip's state (rows x W fp32, 8 KiB for 128 rows of
+// 16) stays in L1 across all of the sequence's rows of the step, and the sums over rows
+// (k^T S, q^T S, c^T S) are lane-wise, with no horizontal reduction. Work items are
+// (sequence, head, strip), shared among torch's OpenMP threads; the recurrence of one
+// item is sequential by nature, about three fused multiply-adds per state element and
+// row. The convolution's rows need no earlier output, so its items are runs of rows.
 
 #include <torch/extension.h>
 
