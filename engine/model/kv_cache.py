@@ -12,6 +12,7 @@ import mmap
 from dataclasses import dataclass, field
 
 import torch
+from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +31,15 @@ class KVLayout:
     head_dim: int
     sliding_window: int = 0
     attention_layers: tuple[int, ...] = field(default=(), repr=False)
+
+    @classmethod
+    def from_config(cls, config: PretrainedConfig) -> KVLayout:
+        """The layout a plain decoder's config promises (every layer attends alike)."""
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        kv_heads = getattr(text, "num_key_value_heads", None) or heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return cls(text.num_hidden_layers, kv_heads, head_dim)
 
     def kv_index(self) -> dict[int, int] | None:
         """Model layer index -> its index in the KV tensor; None where every layer
