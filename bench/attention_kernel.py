@@ -55,7 +55,7 @@ class Setup:
         self.q = torch.randn(sum(queries), NUM_HEADS, HEAD_DIM, generator=generator).to(dtype)
         self.scale = HEAD_DIM**-0.5
         self.metadata = PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
+            kv_caches=(self.kv_cache,),
             slot_mapping=torch.empty(0, dtype=torch.int64),
             block_tables=self.block_tables,
             query_start=self.query_start,

@@ -50,7 +50,6 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from bench.tables import engine_setting, format_table
 from bench.workloads import Workload, ordinary_token_ids, random_workload, shared_prefix_workload
-from cache import bytes_per_block
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig, load_config
 from engine.model.device import resolve_device, resolve_dtype
@@ -233,10 +232,7 @@ def _cb_config(model: PreTrainedModel, config: EngineConfig) -> ContinuousBatchi
     num_blocks = None
     if config.kv_cache_memory is not None:
         layout = KVLayout.from_config(model.config)
-        page_bytes = bytes_per_block(
-            layout.num_layers, CB_PAGE_SIZE, layout.num_kv_heads, layout.head_dim,
-            model.dtype.itemsize,
-        )  # fmt: skip
+        page_bytes = layout.bytes_per_block(CB_PAGE_SIZE, model.dtype.itemsize)
         num_blocks = int(config.kv_cache_memory) // page_bytes
     return ContinuousBatchingConfig(
         page_size=CB_PAGE_SIZE,

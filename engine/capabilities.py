@@ -266,7 +266,7 @@ def grammar_compiler(
 
 
 def kv_tier(
-    kv_cache: torch.Tensor, capacity: int, root: Path, source: Path,
+    kv_caches: tuple[torch.Tensor, ...], capacity: int, root: Path, source: Path,
     settings: Mapping[str, str], block_size: int, publish: Publish | None,
 ) -> KVTier:  # fmt: skip
     """The disk tier of `capacity` bytes under `root`, in the folder of this model's files
@@ -278,13 +278,13 @@ def kv_tier(
         raise ConfigError(f"kv_disk_size: {missing('engine.kv_tiers', exc)}") from None
     try:
         key = tier_key(settings, source)
-        return DiskTier(kv_cache, capacity, root, key, block_size, publish)
+        return DiskTier(kv_caches, capacity, root, key, block_size, publish)
     except (OSError, ValueError) as exc:
         raise ConfigError(f"kv_disk_size: the disk tier at {root} cannot serve: {exc}") from None
 
 
 def host_kv_tier(
-    kv_cache: torch.Tensor, capacity: int, block_size: int, publish: Publish | None
+    kv_caches: tuple[torch.Tensor, ...], capacity: int, block_size: int, publish: Publish | None
 ) -> KVTier:
     """A pool of `capacity` bytes of pinned host memory beside a GPU's KV tensor; fails
     with one line naming `kv_offloading_size`."""
@@ -293,7 +293,7 @@ def host_kv_tier(
     except ImportError as exc:
         raise ConfigError(f"kv_offloading_size: {missing('engine.kv_tiers', exc)}") from None
     try:
-        return HostTier(kv_cache, capacity, block_size, publish)
+        return HostTier(kv_caches, capacity, block_size, publish)
     except (RuntimeError, ValueError) as exc:
         raise ConfigError(f"kv_offloading_size: {exc}") from None
 

@@ -27,7 +27,6 @@ from cache import (
     CacheSize,
     KVSizing,
     StatePool,
-    bytes_per_block,
     cdiv,
     profile_num_blocks,
 )
@@ -110,10 +109,10 @@ class EngineBuilder:
         self.recurrent = bind_recurrent(loaded.model)
         self.recurrent_kernels = self._recurrent_kernels()
         self.attention = choose_backend(
-            config.attention_backend, self.device, self.dtype, self.kv_layout.head_dim,
+            config.attention_backend, self.device, self.dtype, self.kv_layout.head_sizes,
             config.block_size,
         )  # fmt: skip
-        bind_attention(loaded.model, self.attention.backend, self.kv_layout.kv_index())
+        bind_attention(loaded.model, self.attention.backend, self.kv_layout.layers)
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.model_name = loaded.name
@@ -170,7 +169,7 @@ class EngineBuilder:
         publisher and tier, and the block manager and scheduler that hand its blocks out."""
         size = self._profile_num_blocks(self.kv_layout)
         self.num_kv_blocks, self.num_state_slots = size.num_blocks, size.num_state_slots
-        kv_cache = allocate_kv_cache(
+        kv_caches = allocate_kv_cache(
             self.kv_layout, self.num_kv_blocks, self.block_size, self.dtype, self.device
         )
         self.states = None
@@ -178,10 +177,10 @@ class EngineBuilder:
             self.states = RecurrentStates.allocate(
                 self.recurrent, self.num_state_slots, self.device
             )
-        self.runner = self._runner(kv_cache, self.states)
+        self.runner = self._runner(kv_caches, self.states)
         self._warm_up(config)
         self.events = capabilities.kv_event_publisher(config.kv_events_config)
-        self.tier = self._kv_tier(config, source, kv_cache)
+        self.tier = self._kv_tier(config, source, kv_caches)
         block_manager = BlockManager(
             self.num_kv_blocks,
             self.block_size,
@@ -202,12 +201,14 @@ class EngineBuilder:
             tier=self.tier,
         )
 
-    def _runner(self, kv_cache: torch.Tensor, states: RecurrentStates | None = None) -> ModelRunner:
-        """A runner over `kv_cache` (and a hybrid model's recurrent `states`) whose steps
-        take the step path chosen now."""
+    def _runner(
+        self, kv_caches: tuple[torch.Tensor, ...], states: RecurrentStates | None = None
+    ) -> ModelRunner:
+        """A runner over the KV tensors (and a hybrid model's recurrent `states`) whose
+        steps take the step path chosen now."""
         return ModelRunner(
             self.model,
-            kv_cache,
+            kv_caches,
             self.block_size,
             self.config.max_num_seqs,
             self.max_model_len,
@@ -355,7 +356,9 @@ class EngineBuilder:
             self.runner.executor = self.runner.eager
             self.compiled = False
 
-    def _kv_tier(self, config: EngineConfig, source: str, kv_cache: torch.Tensor) -> KVTier | None:
+    def _kv_tier(
+        self, config: EngineConfig, source: str, kv_caches: tuple[torch.Tensor, ...]
+    ) -> KVTier | None:
         """The KV tier the settings ask for, logged: host RAM beside a GPU
         (`kv_offloading_size`, refused on the CPU), or the disk tier (`kv_disk_size`),
         keyed by everything that changes a block's bits here; None when both are 0 (or
@@ -385,7 +388,7 @@ class EngineBuilder:
         publish = None if self.events is None else self.events.publish
         if config.kv_offloading_size:
             tier = capabilities.host_kv_tier(
-                kv_cache, int(config.kv_offloading_size), self.block_size, publish
+                kv_caches, int(config.kv_offloading_size), self.block_size, publish
             )
             logger.info(
                 "KV host tier: %.1f MiB of pinned host memory", tier.stats().capacity / 2**20
@@ -395,11 +398,11 @@ class EngineBuilder:
         settings = {
             "quantization": self.quantization, "dtype": str(self.dtype),
             "device": self.device.type, "block_size": str(self.block_size),
-            "kv_layout": repr(self.kv_layout), "kv_dtype": str(kv_cache.dtype),
+            "kv_layout": self.kv_layout.describe(), "kv_dtype": str(kv_caches[0].dtype),
             "step_path": self._step_path(), "attention": self.attention.backend.name,
         }  # fmt: skip
         tier = capabilities.kv_tier(
-            kv_cache, int(config.kv_disk_size), root, Path(source), settings, self.block_size,
+            kv_caches, int(config.kv_disk_size), root, Path(source), settings, self.block_size,
             publish,
         )  # fmt: skip
         stats = tier.stats()
@@ -439,9 +442,7 @@ class EngineBuilder:
             torch.cuda.empty_cache()
         itemsize = torch.empty((), dtype=self.dtype).element_size()
         sizing = KVSizing(
-            block_bytes=bytes_per_block(
-                layout.num_layers, self.block_size, layout.num_kv_heads, layout.head_dim, itemsize
-            ),
+            block_bytes=layout.bytes_per_block(self.block_size, itemsize),
             device_type=self.device.type,
             memory_utilization=self.config.memory_utilization,
             kv_cache_memory=self.config.kv_cache_memory,

@@ -255,7 +255,8 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         if self.events is not None:
             self._publish_events()
-        sleep.release_tensor(self.runner.kv_cache)
+        for tensor in self.runner.kv_caches:
+            sleep.release_tensor(tensor)
         if level == 2:
             sleep.release_mappings(sleep.weight_mappings(self.model))
         self.sleep_level = level

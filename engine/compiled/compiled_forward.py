@@ -142,7 +142,7 @@ class CompiledForward:
     def __init__(self, eager: EagerSteps) -> None:
         inductor_cache_dir()
         self._model = eager.model
-        self._kv_cache = eager.kv_cache
+        self._kv_caches = eager.kv_caches
         self._tables = eager.device_tables
         self._states = eager.states
         self._compiled: Any = None
@@ -154,15 +154,24 @@ class CompiledForward:
         return pad_step(step, padding).arrays()
 
     def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
-        logits = self._compiled(self._model, *inputs, *self._engine_tensors())
+        logits = self._compiled(self._model, *inputs, **self._engine_tensors())
         return logits[: len(step.logits_index)]
 
-    def _engine_tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The tensors of the engine's own that every step reads and writes: the KV cache,
-        the block tables and a hybrid model's recurrent states."""
-        if self._states is None:
-            return self._kv_cache, self._tables
-        return self._kv_cache, self._tables, self._states.conv, self._states.ssm
+    def _own_tensors(self) -> list[torch.Tensor]:
+        """The engine's own tensors among `_engine_tensors`, each alone."""
+        states = () if self._states is None else (self._states.conv, self._states.ssm)
+        return [*self._kv_caches, self._tables, *(t for t in states if t is not None)]
+
+    def _engine_tensors(self) -> dict[str, Any]:
+        """What every step reads and writes of the engine's own, as `_step` takes them:
+        the KV tensors, the block tables and a hybrid model's recurrent states (None
+        without)."""
+        states = self._states
+        return {
+            "kv_caches": self._kv_caches, "tables": self._tables,
+            "conv": None if states is None else states.conv,
+            "ssm": None if states is None else states.ssm,
+        }  # fmt: skip
 
     def warm_up(self) -> float:
         """Load the saved graph, or compile and save it, then run one step of padding
@@ -197,10 +206,8 @@ class CompiledForward:
         for part in (
             FORMAT, torch.__version__, transformers.__version__, sys.version, cpu_flags(),
             self._model.config.to_json_string(), repr(self._model),
-            str(self._model.dtype), str(self._kv_cache.dtype),
-            str(tuple(self._kv_cache.shape)), str(tuple(self._tables.shape)),
-            str(_handles(self._model)),
-            str([None if t is None else tuple(t.shape) for t in self._engine_tensors()[2:]]),
+            str(self._model.dtype), str(_handles(self._model)),
+            str([(t.dtype, tuple(t.shape)) for t in self._own_tensors()]),
         ):  # fmt: skip
             digest.update(part.encode() + b"\0")
         for source in _sources():
@@ -211,9 +218,8 @@ class CompiledForward:
         """Compile the graph over this engine's model and save it in `folder`."""
         # Static: Dynamo would give their sizes symbols shared with equal step sizes (the
         # K/V axis of 2 with a step's 2 sampled rows), specialized where they are indexed.
-        for tensor in self._engine_tensors():
-            if tensor is not None:
-                torch._dynamo.mark_static(tensor)
+        for tensor in self._own_tensors():
+            torch._dynamo.mark_static(tensor)
         compiler = torch.compile(
             _step,
             dynamic=True,
@@ -235,7 +241,7 @@ class CompiledForward:
             torch.fx.experimental._config.patch(backed_size_oblivious=True),
             torch.inference_mode(),
         ):
-            compiled = compiler.aot_compile((self._padding_inputs(), {}))
+            compiled = compiler.aot_compile((self._padding_inputs(), self._engine_tensors()))
         compiled.save_compiled_function(str(folder / GRAPH_FILE))
         return compiled
 
@@ -249,7 +255,7 @@ class CompiledForward:
             return torch.compiler.load_compiled_function(file)
 
     def _padding_inputs(self) -> tuple[Any, ...]:
-        """A step of padding tokens, as the compiled function's arguments. Its sizes all
+        """A step of padding tokens, as the compiled function's positional arguments. Its sizes all
         differ (5 tokens, 3 sequences, 2 sampled, 6 checkpoints), because Dynamo gives
         equal sizes one symbol: a step with as many tokens as sequences would compile a
         graph for decode steps only."""
@@ -272,29 +278,33 @@ class CompiledForward:
             state=state,
         )
         inputs = [torch.from_numpy(array.astype(np.int64)) for array in step.arrays()]
-        return (self._model, *inputs, *self._engine_tensors())
+        return (self._model, *inputs)
 
     def _run_padding_step(self) -> None:
         with torch.inference_mode():
-            self._compiled(*self._padding_inputs())
+            self._compiled(*self._padding_inputs(), **self._engine_tensors())
 
 
-def _step(model: PreTrainedModel, *inputs: torch.Tensor | None) -> torch.Tensor:
+def _step(
+    model: PreTrainedModel,
+    *arrays: torch.Tensor,
+    kv_caches: tuple[torch.Tensor, ...],
+    tables: torch.Tensor,
+    conv: torch.Tensor | None,
+    ssm: torch.Tensor | None,
+) -> torch.Tensor:
     """The compiled function: a free function of its inputs, the model among them, so
-    that a saved graph holds no reference to this process's objects. `inputs` are a step's
-    arrays (`StepInputs.arrays`, with a hybrid model's four state arrays), then the KV
-    cache and the block tables (and a hybrid model's conv and ssm states)."""
-    hybrid = len(inputs) == 15
-    arrays, tensors = inputs[: 11 if hybrid else 7], inputs[11 if hybrid else 7 :]
+    that a saved graph holds no reference to this process's objects. `arrays` are a step's
+    (`StepInputs.arrays`, a hybrid model's four state arrays last); then the engine's own
+    tensors: the KV tensors, the block tables, a hybrid model's recurrent states."""
     input_ids, positions, slots, rows, query_start, context_lens, logits_index, *state = arrays
     recurrent = None
-    if hybrid:
-        states = RecurrentStates(tensors[2], tensors[3])
-        recurrent = RecurrentStep(states, query_start, *state, use_kernel=True)  # type: ignore[arg-type]
+    if conv is not None:
+        recurrent = RecurrentStep(RecurrentStates(conv, ssm), query_start, *state, use_kernel=True)
     metadata = PagedAttentionMetadata.of_step(
-        tensors[0], tensors[1], slots, rows, query_start, context_lens, recurrent=recurrent
-    )  # type: ignore[arg-type]
-    return model_logits(model, input_ids[None], positions[None], logits_index, metadata)  # type: ignore[index]
+        kv_caches, tables, slots, rows, query_start, context_lens, recurrent=recurrent
+    )
+    return model_logits(model, input_ids[None], positions[None], logits_index, metadata)
 
 
 def _sources() -> list[Path]:

@@ -50,9 +50,9 @@ class DecodeGraphs:
         self.buckets = decode_buckets(max_num_seqs)
         self._eager = eager
         self._model = eager.model
-        self._kv_cache = eager.kv_cache
+        self._kv_caches = eager.kv_caches
         self._tables = eager.device_tables
-        device = eager.kv_cache.device
+        device = eager.kv_caches[0].device
         self._static = {
             size: torch.tensor(PADDING_ROW * size, dtype=torch.int64, device=device)
             .view(size, FIELDS)
@@ -64,7 +64,7 @@ class DecodeGraphs:
 
     def warm_up(self) -> None:
         """Capture the graphs on CUDA; elsewhere (Triton's interpreter) nothing to do."""
-        if self._kv_cache.device.type == "cuda":
+        if self._tables.device.type == "cuda":
             self.capture()
 
     def host_inputs(self, step: StepInputs) -> tuple[np.ndarray, ...]:
@@ -118,10 +118,10 @@ class DecodeGraphs:
 
     def _static_forward(self, size: int) -> torch.Tensor:
         input_ids, positions, slots, context_lens, rows = self._static[size]
-        device = self._kv_cache.device
+        device = self._tables.device
         every_row = torch.arange(size + 1, dtype=torch.int64, device=device)
         metadata = PagedAttentionMetadata.of_step(
-            self._kv_cache, self._tables, slots, rows, every_row, context_lens, max_query_len=1
+            self._kv_caches, self._tables, slots, rows, every_row, context_lens, max_query_len=1
         )
         return model_logits(
             self._model, input_ids[None], positions[None], every_row[:size], metadata

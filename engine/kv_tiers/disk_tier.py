@@ -111,10 +111,10 @@ class DiskTier:
     medium = MEDIUM_DISK
 
     def __init__(
-        self, kv_cache: torch.Tensor, capacity: int, root: Path, key: str, block_size: int,
-        publish: Publish | None = None,
+        self, kv_caches: tuple[torch.Tensor, ...], capacity: int, root: Path, key: str,
+        block_size: int, publish: Publish | None = None,
     ) -> None:  # fmt: skip
-        self._copier = BlockCopier(kv_cache)
+        self._copier = BlockCopier(kv_caches)
         self.key = key
         self.block_size = block_size
         self.folder = root / key

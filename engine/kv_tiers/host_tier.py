@@ -41,10 +41,10 @@ class HostTier:
     medium = MEDIUM_CPU
 
     def __init__(
-        self, kv_cache: torch.Tensor, capacity: int, block_size: int,
+        self, kv_caches: tuple[torch.Tensor, ...], capacity: int, block_size: int,
         publish: Publish | None = None,
     ) -> None:  # fmt: skip
-        self._copier = BlockCopier(kv_cache)
+        self._copier = BlockCopier(kv_caches)
         self.block_size = block_size
         self.capacity = capacity
         num_slots = capacity // self._copier.block_bytes

@@ -80,23 +80,23 @@ def paged_attention_forward(
     dropout: float = 0.0,
     *,
     backend: AttentionBackend,
-    kv_index: dict[int, int] | None = None,
+    places: dict[int, tuple[int, int]],
     paged_metadata: PagedAttentionMetadata | None = None,
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """query `[1, H, T, Dk]`, key `[1, Hkv, T, Dk]`, value `[1, Hkv, T, Dv]` -> output
     `[1, T, H, Dv]`, through `backend` (bound by `bind_attention`) with the model
-    runner's `paged_metadata`, the layer's K/V at `kv_index[module.layer_idx]` of the KV
-    tensor (None: at `module.layer_idx`); the softmax scale is the model's, else
-    1/sqrt(Dk)."""
+    runner's `paged_metadata`, the layer's K/V at its place `places[module.layer_idx]`
+    (a group's KV tensor, an index in it: `KVLayout.layers`); the softmax scale is the
+    model's, else 1/sqrt(Dk)."""
     features = attention_features(kwargs)
     if paged_metadata is None:
         raise RuntimeError("pagedserve attention needs the model runner's paged_metadata")
     scale = scaling if scaling is not None else query.shape[3] ** -0.5
     value_dim = value.shape[3]
     query, key, value = _one_head_size(query, key, value)
-    layer = module.layer_idx if kv_index is None else kv_index[module.layer_idx]
-    kv_cache = paged_metadata.kv_cache
+    group, layer = places[module.layer_idx]
+    kv_cache = paged_metadata.kv_caches[group]
     backend.store_kv(
         key[0].transpose(0, 1), value[0].transpose(0, 1), kv_cache, layer,
         paged_metadata.slot_mapping,
@@ -120,18 +120,17 @@ def _one_head_size(
 
 
 def bind_attention(
-    model: PreTrainedModel, backend: AttentionBackend, kv_index: dict[int, int] | None = None
+    model: PreTrainedModel, backend: AttentionBackend, places: dict[int, tuple[int, int]]
 ) -> str:
-    """Make `model` attend through `backend`, layer `l` over index `kv_index[l]` of the KV
-    tensor (None: every layer attends, at its own index), and return the name it is
-    registered under with transformers: one name per backend, device and layer map, so
-    engines on different backends or models can share a process (the registry of
-    attention functions is global)."""
+    """Make `model` attend through `backend`, each layer's K/V at its place in `places`
+    (`KVLayout.layers`), and return the name it is registered under with transformers:
+    one name per backend, device and layer map, so engines on different backends or
+    models can share a process (the registry of attention functions is global)."""
     device = next(model.parameters()).device
     name = f"{ATTN_IMPLEMENTATION}_{backend.name}_{device.type}"
-    if kv_index is not None:
-        name += "_layers_" + "-".join(map(str, kv_index))
-    bound = partial(paged_attention_forward, backend=backend, kv_index=kv_index)
+    if places != {layer: (0, layer) for layer in range(len(places))}:
+        name += "_" + "-".join(f"{layer}.{g}.{i}" for layer, (g, i) in sorted(places.items()))
+    bound = partial(paged_attention_forward, backend=backend, places=places)
     AttentionInterface.register(name, bound)
     model.config._attn_implementation = name
     return name

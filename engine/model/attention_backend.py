@@ -48,14 +48,15 @@ OTHER_DEVICES_AUTO_ORDER = ("torch",)
 class AttentionBackend(Protocol):
     """One way to store K/V and attend over the paged KV tensor.
 
-    Contract: `kv_cache` is the engine's `[num_layers, 2, num_blocks, block_size, Hkv, D]`
-    tensor; `store_kv` writes key and value `[T, Hkv, D]` of the step's packed tokens into
-    `kv_cache[layer]` at `slots` `[T]` (int64; a negative slot, a padding row of a compiled
-    or captured step, is written only by backends that `compiles` or `captures`, and
-    must be skipped). `attend` takes the packed query rows `q [T, H, D]` (H a multiple of
-    Hkv) and returns `[T, H, D]` in q's dtype: for the row at position p, softmax(scale *
-    q . K^T) V over positions 0..p of its sequence (see `PagedAttentionMetadata`), with the
-    layer's `AttentionFeatures` applied. Scores and the softmax are computed in fp32.
+    Contract: `kv_cache` is one of the engine's `[num_layers, 2, num_blocks, block_size,
+    Hkv, D]` tensors (one per K/V shape); `store_kv` writes key and value `[T, Hkv, D]` of
+    the step's packed tokens into `kv_cache[layer]` at `slots` `[T]` (int64; a negative
+    slot, a padding row of a compiled or captured step, is written only by backends that
+    `compiles` or `captures`, and must be skipped). `attend` takes the packed query rows
+    `q [T, H, D]` (H a multiple of Hkv) and returns `[T, H, D]` in q's dtype: for the row
+    at position p, softmax(scale * q . K^T) V over positions 0..p of its sequence (see
+    `PagedAttentionMetadata`), with the layer's `AttentionFeatures` applied. Scores and
+    the softmax are computed in fp32.
 
     `compiles`: the store and the attention are registered ops that the compiled forward
     (Inductor, on the CPU) keeps as calls, reading only the metadata's tensors.
@@ -112,25 +113,30 @@ def unavailable_reason(
     name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
 ) -> str | None:
     """Why backend `name` cannot run for these, or None if it can."""
-    found = _runnable(name, device, dtype, head_size, block_size)
+    found = _runnable(name, device, dtype, (head_size,), block_size)
     return found if isinstance(found, str) else None
 
 
 def choose_backend(
-    setting: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+    setting: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_sizes: int | tuple[int, ...],
+    block_size: int,
 ) -> BackendChoice:
-    """The backend for the `attention_backend` setting, constructed for `device`. A named
-    backend that cannot run raises a `ConfigError` naming the setting and the reason;
-    `auto` takes the first that can in `AUTO_ORDER` and logs, at info, why not the ones
-    before it."""
+    """The backend for the `attention_backend` setting, constructed for `device`, that runs
+    every one of the model's KV head sizes. A named backend that cannot run raises a
+    `ConfigError` naming the setting and the reason; `auto` takes the first that can in
+    `AUTO_ORDER` and logs, at info, why not the ones before it."""
+    sizes = (head_sizes,) if isinstance(head_sizes, int) else head_sizes
     if setting != "auto":
-        backend = _ready(setting, device, dtype, head_size, block_size)
+        backend = _ready(setting, device, dtype, sizes, block_size)
         if isinstance(backend, str):
             raise ConfigError(f"attention_backend '{setting}' cannot run here: {backend}")
         return BackendChoice(backend)
     passed_over: dict[str, str] = {}
     for name in AUTO_ORDER.get(device.type, OTHER_DEVICES_AUTO_ORDER):
-        backend = _ready(name, device, dtype, head_size, block_size)
+        backend = _ready(name, device, dtype, sizes, block_size)
         if not isinstance(backend, str):
             if passed_over:
                 reasons = "; ".join(f"not '{n}': {why}" for n, why in passed_over.items())
@@ -144,22 +150,26 @@ def choose_backend(
 
 
 def _ready(
-    name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+    name: str, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], block_size: int
 ) -> AttentionBackend | str:
     """Backend `name` constructed for `device`, or why it cannot run for these."""
-    found = _runnable(name, device, dtype, head_size, block_size)
+    found = _runnable(name, device, dtype, sizes, block_size)
     return found if isinstance(found, str) else found(device)
 
 
 def _runnable(
-    name: str, device: torch.device, dtype: torch.dtype, head_size: int, block_size: int
+    name: str, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], block_size: int
 ) -> type[AttentionBackend] | str:
-    """Backend `name`'s class where it can run for these, else why it cannot."""
+    """Backend `name`'s class where it can run for these (every head size), else why it
+    cannot."""
     backend = _backend_class(name)
     if isinstance(backend, str):
         return backend
-    reason = backend.unavailable_reason(device, dtype, head_size, block_size)
-    return backend if reason is None else reason
+    for size in sizes:
+        reason = backend.unavailable_reason(device, dtype, size, block_size)
+        if reason is not None:
+            return reason
+    return backend
 
 
 def _backend_class(name: str) -> type[AttentionBackend] | str:

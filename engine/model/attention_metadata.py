@@ -34,7 +34,9 @@ class DecodePrefillSplit:
 class PagedAttentionMetadata:
     """Where this step's new K/V go and what each query row attends to.
 
-    Invariants: `slot_mapping[i]` is the KV slot of packed token i; sequence b owns the
+    Invariants: `kv_caches` are the engine's KV tensors, one per K/V shape
+    (`kv_cache.KVLayout`), all indexed by the same blocks; `slot_mapping[i]` is the KV
+    slot of packed token i; sequence b owns the
     packed rows `[query_start[b], query_start[b + 1])`, the last rows of its context of
     `context_lens[b]` tokens (cached tokens, earlier chunks and this step's), which
     `block_tables[b]` stores in order (padded past its last block with block 0);
@@ -48,7 +50,7 @@ class PagedAttentionMetadata:
     `recurrent` is what a hybrid model's recurrent layers read and write (None without).
     """
 
-    kv_cache: torch.Tensor
+    kv_caches: tuple[torch.Tensor, ...]
     slot_mapping: torch.Tensor
     block_tables: torch.Tensor
     query_start: torch.Tensor
@@ -63,7 +65,7 @@ class PagedAttentionMetadata:
     @classmethod
     def of_step(
         cls,
-        kv_cache: torch.Tensor,
+        kv_caches: tuple[torch.Tensor, ...],
         device_tables: torch.Tensor,
         slot_mapping: torch.Tensor,
         rows: torch.Tensor,
@@ -81,12 +83,13 @@ class PagedAttentionMetadata:
         `max_query_len` is the caller's (0 in a compiled graph: see above)."""
         if host is None:
             return cls(
-                kv_cache, slot_mapping, device_tables.index_select(0, rows), query_start,
+                kv_caches, slot_mapping, device_tables.index_select(0, rows), query_start,
                 context_lens, None, None, None, max_query_len, recurrent,
             )  # fmt: skip
         return cls(
-            kv_cache, slot_mapping, device_tables[rows, : host.width], query_start, context_lens,
-            host.query_start, host.context_lens, host.positions, host.max_query_len, recurrent,
+            kv_caches, slot_mapping, device_tables[rows, : host.width], query_start,
+            context_lens, host.query_start, host.context_lens, host.positions,
+            host.max_query_len, recurrent,
         )  # fmt: skip
 
     def decode_prefill_split(self) -> DecodePrefillSplit:
@@ -98,7 +101,7 @@ class PagedAttentionMetadata:
             device = self.block_tables.device
             index = torch.from_numpy(decode).to(device, non_blocking=True)
             lens = self.context_lens_host[decode]
-            width = -(-int(lens.max()) // self.kv_cache.shape[3]) if decode.size else 0
+            width = -(-int(lens.max()) // self.kv_caches[0].shape[3]) if decode.size else 0
             self._split = DecodePrefillSplit(
                 decode_rows=torch.from_numpy(self.query_start_host[decode]).to(device),
                 decode_block_tables=self.block_tables[index, :width],

@@ -71,21 +71,22 @@ class StepExecutor(Protocol):
 class EagerSteps:
     """Every step through the model object itself, with the step's host arrays at hand for
     attention backends that read them. Holds what every step path shares: the model, the
-    KV cache, the device's block tables (read by row) and a hybrid model's recurrent
-    states (run by their C++ ops where `recurrent_kernels`, else by torch)."""
+    KV tensors (one per K/V shape), the device's block tables (read by row) and a hybrid
+    model's recurrent states (run by their C++ ops where `recurrent_kernels`, else by
+    torch)."""
 
     name = "eager"
 
     def __init__(
         self,
         model: PreTrainedModel,
-        kv_cache: torch.Tensor,
+        kv_caches: tuple[torch.Tensor, ...],
         device_tables: torch.Tensor,
         states: RecurrentStates | None = None,
         recurrent_kernels: bool = False,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.kv_caches = kv_caches
         self.device_tables = device_tables
         self.states = states
         self.recurrent_kernels = recurrent_kernels
@@ -108,7 +109,7 @@ class EagerSteps:
     def run(self, step: StepInputs, inputs: list[torch.Tensor]) -> torch.Tensor:
         input_ids, positions, slots, rows, query_start, context_lens, logits_index, *state = inputs
         metadata = PagedAttentionMetadata.of_step(
-            self.kv_cache, self.device_tables, slots, rows, query_start, context_lens, step,
+            self.kv_caches, self.device_tables, slots, rows, query_start, context_lens, step,
             recurrent=self.recurrent_step(query_start, state),
         )  # fmt: skip
         return model_logits(self.model, input_ids[None], positions[None], logits_index, metadata)
@@ -136,7 +137,7 @@ class ModelRunner:
     def __init__(
         self,
         model: PreTrainedModel,
-        kv_cache: torch.Tensor,
+        kv_caches: tuple[torch.Tensor, ...],
         block_size: int,
         max_num_seqs: int,
         max_model_len: int,
@@ -146,9 +147,9 @@ class ModelRunner:
         recurrent_kernels: bool = False,
     ) -> None:
         self.model = model
-        self.kv_cache = kv_cache
+        self.kv_caches = kv_caches
         self.block_size = block_size
-        self.device = kv_cache.device
+        self.device = kv_caches[0].device
         # A separate copy of the block tables that follows by changed entries: always off
         # the CPU; on the CPU the host table itself serves, unless a test asks for a copy.
         mirror = self.device.type != "cpu" if mirror_block_tables is None else mirror_block_tables
@@ -158,7 +159,7 @@ class ModelRunner:
         table = torch.from_numpy(self.block_tables.table)  # the host table's own memory
         self._device_tables = table.clone().to(self.device) if mirror else table
         self._staging = Staging(self.device)
-        self.eager = EagerSteps(model, kv_cache, self._device_tables, states, recurrent_kernels)
+        self.eager = EagerSteps(model, kv_caches, self._device_tables, states, recurrent_kernels)
         self.executor: StepExecutor = self.eager if step_path is None else step_path(self.eager)
 
     def update_block_tables(self, batch: SchedulerOutput) -> None:

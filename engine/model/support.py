@@ -33,7 +33,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from engine.errors import UnsupportedModelError
 from engine.model.attention import attention_features
-from engine.model.kv_cache import KVLayout
+from engine.model.kv_cache import KVGroup, KVLayout
 from engine.model.recurrent import recurrent_modules
 
 PROBE_IMPLEMENTATION = "pagedserve_probe"
@@ -116,11 +116,14 @@ def _keeps_state(module: torch.nn.Module) -> bool:
 
 @dataclass
 class _Calls:
-    """Per layer index: (KV heads, K head size, V head size) of its attention call, and
-    its sliding window (0: none)."""
+    """Per layer index: (KV heads, K head size, V head size) of its attention call, its
+    sliding window (0: none), and the keys it was given (a layer handed another's keys
+    shares that layer's KV; holding them all keeps their memory from being reused, so two
+    layers' keys share an address only when they are one tensor)."""
 
     shapes: dict[int, tuple[int, int, int]] = field(default_factory=dict)
     windows: dict[int, int] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def probe_attention(model: PreTrainedModel) -> KVLayout:
@@ -148,6 +151,7 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
             raise UnsupportedModelError("its attention modules carry no layer_idx")
         calls.shapes[int(layer)] = (key.shape[1], key.shape[3], value.shape[3])
         calls.windows[int(layer)] = features.sliding_window
+        calls.keys[int(layer)] = key
         batch, heads, tokens = query.shape[:3]
         return value.new_zeros(batch, tokens, heads, value.shape[3]), None
 
@@ -187,18 +191,34 @@ def _layout(name: str, model: PreTrainedModel, calls: _Calls) -> KVLayout:
         raise UnsupportedModelError(
             f"{name}: no layer attends; pagedserve serves models with attention layers"
         )
-    shapes = set(calls.shapes.values())
-    if len(shapes) != 1:
-        raise UnsupportedModelError(
-            f"{name}: its layers differ in KV heads or head size ({sorted(shapes)}); "
-            "pagedserve's KV cache has one shape for all layers"
-        )
-    kv_heads, key_size, value_size = shapes.pop()
     windows = calls.windows.values()
     window = max(windows) if all(windows) else 0
-    layers = tuple(sorted(calls.shapes))
-    hybrid = () if len(layers) == num_layers else layers
-    return KVLayout(len(layers), kv_heads, max(key_size, value_size), window, hybrid)
+    return KVLayout(*_groups(calls), sliding_window=window)
+
+
+def _groups(calls: _Calls) -> tuple[tuple[KVGroup, ...], dict[int, tuple[int, int]]]:
+    """The K/V shape groups of the attending layers (K and V of one layer padded to one
+    head size), in order of first appearance, and each layer's place: a layer handed the
+    keys of an earlier layer reads that layer's place."""
+    shapes: list[tuple[int, int]] = []  # (KV heads, head size) per group
+    counts: list[int] = []
+    places: dict[int, tuple[int, int]] = {}
+    owners: dict[int, int] = {}  # key address -> the layer that made those keys
+    for layer in sorted(calls.shapes):
+        owner = owners.setdefault(calls.keys[layer].data_ptr(), layer)
+        if owner != layer:
+            places[layer] = places[owner]
+            continue
+        kv_heads, key_size, value_size = calls.shapes[layer]
+        shape = (kv_heads, max(key_size, value_size))
+        if shape not in shapes:
+            shapes.append(shape)
+            counts.append(0)
+        group = shapes.index(shape)
+        places[layer] = (group, counts[group])
+        counts[group] += 1
+    groups = tuple(KVGroup(n, h, d) for n, (h, d) in zip(counts, shapes, strict=True))
+    return groups, places
 
 
 def _name(config: PretrainedConfig) -> str:

@@ -39,7 +39,7 @@ def tokens_and_logprobs(llm: LLM, prompts: list[str]) -> Result:
 
 def kv_memory(llm: LLM, blocks: int) -> int:
     """Bytes of KV cache that hold `blocks` blocks of `llm`'s model in its dtype."""
-    kv_cache = llm.engine.runner.kv_cache
+    (kv_cache,) = llm.engine.runner.kv_caches
     return kv_cache[:, :, 0].numel() * kv_cache.element_size() * blocks
 
 

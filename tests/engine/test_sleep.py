@@ -30,9 +30,9 @@ def test_released_kv_pages_read_as_zeros_and_leave_the_resident_set():
 
 
 def test_the_kv_cache_is_resident_as_it_is_written_and_released_by_sleep():
-    layout = KVLayout(num_layers=4, num_kv_heads=4, head_dim=64)
+    layout = KVLayout.uniform(num_layers=4, num_kv_heads=4, head_dim=64)
     before = sleep.resident_bytes()
-    kv = allocate_kv_cache(layout, 1024, 16, torch.float32, torch.device("cpu"))  # 128 MiB
+    (kv,) = allocate_kv_cache(layout, 1024, 16, torch.float32, torch.device("cpu"))  # 128 MiB
     assert kv.nbytes == 128 * 2**20 and kv.data_ptr() % sleep.PAGE == 0
     assert sleep.resident_bytes() - before < 16 * 2**20  # start-up writes none of it
     assert torch.count_nonzero(kv) == 0

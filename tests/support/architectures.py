@@ -53,6 +53,22 @@ SERVED: dict[str, tuple[str, dict[str, Any]]] = {
     "cohere": ("cohere", {}),
     "glm4": ("glm4", {}),
     "smollm3": ("smollm3", {}),
+    # Sliding and global layers of two KV shapes (head sizes 32 and 64, 2 and 1 KV heads,
+    # K as V in the global ones), the last two layers reading the first two's KV, and
+    # per-layer inputs.
+    "gemma4": (
+        "gemma4_text",
+        {
+            "num_hidden_layers": 4,
+            "sliding_window": WINDOW,
+            "global_head_dim": 64,
+            "layer_types": ["sliding_attention", "full_attention"] * 2,
+            "num_global_key_value_heads": 1,
+            "attention_k_eq_v": True,
+            "num_kv_shared_layers": 2,
+            "hidden_size_per_layer_input": 16,
+        },
+    ),
     "deepseek_v3-mla": (
         "deepseek_v3",
         {

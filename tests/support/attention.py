@@ -52,7 +52,7 @@ class Case:
         starts = self.query_start
         lens = torch.tensor(self.context_lens, dtype=torch.int64)
         return PagedAttentionMetadata(
-            kv_cache=self.kv_cache,
+            kv_caches=(self.kv_cache,),
             slot_mapping=torch.empty(0, dtype=torch.int64),
             block_tables=self.block_tables,
             query_start=starts,

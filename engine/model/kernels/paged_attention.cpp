@@ -699,6 +699,7 @@ void dispatch_head_dim(const torch::Tensor& q, const torch::Tensor& k_cache,
     case 96: return run(std::integral_constant<int64_t, 96 / kPairLanes>{});
     case 128: return run(std::integral_constant<int64_t, 128 / kPairLanes>{});
     case 256: return run(std::integral_constant<int64_t, 256 / kPairLanes>{});
+    case 512: return run(std::integral_constant<int64_t, 512 / kPairLanes>{});
     default: TORCH_CHECK(false, "paged_attention: unsupported head_dim ", q.size(2));
   }
 }

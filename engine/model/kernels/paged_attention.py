@@ -24,7 +24,7 @@ from engine.model.kernels.cpp_extension import CppExtension, KernelUnavailableEr
 
 EXTENSION = CppExtension("paged_attention", Path(__file__).with_name("paged_attention.cpp"))
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16)
-SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256)
+SUPPORTED_HEAD_DIMS = (32, 64, 96, 128, 256, 512)
 
 # Whether the ops have their fakes (`register_kernel_ops`).
 _kernel_ops_registered = False

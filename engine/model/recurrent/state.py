@@ -14,10 +14,11 @@ the compute dtype's rounding of the running state.
 from __future__ import annotations
 
 import math
-import mmap
 from dataclasses import dataclass
 
 import torch
+
+from engine.model.kv_cache import zeros
 
 STATE_DTYPE = torch.float32
 
@@ -62,21 +63,14 @@ class RecurrentStates:
         private memory map, as the KV cache, whose pages the kernel hands out when a slot
         is first written."""
         shape = (len(layout.layers), num_slots + 1)
-        conv = _zeros((*shape, *layout.conv_shape), device)
+        conv = zeros((*shape, *layout.conv_shape), STATE_DTYPE, device)
         if layout.ssm_shape is None:
             return cls(conv, None)
-        return cls(conv, _zeros((*shape, *layout.ssm_shape), device))
+        return cls(conv, zeros((*shape, *layout.ssm_shape), STATE_DTYPE, device))
 
     @property
     def padding_slot(self) -> int:
         return self.conv.shape[1] - 1
-
-
-def _zeros(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=STATE_DTYPE, device=device)
-    pages = mmap.mmap(-1, math.prod(shape) * STATE_DTYPE.itemsize, flags=mmap.MAP_PRIVATE)
-    return torch.frombuffer(pages, dtype=STATE_DTYPE).view(shape)
 
 
 @dataclass(slots=True)

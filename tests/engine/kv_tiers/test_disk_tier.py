@@ -44,14 +44,14 @@ def load(tier: DiskTier, job: TierLoad) -> int:
 def test_blocks_come_back_bit_identical_into_other_blocks(tmp_path: Path) -> None:
     source, target = kv_cache(0), kv_cache(1)
     stored: list = []
-    writer = DiskTier(source, 1 << 20, tmp_path, KEY, BLOCK, stored.extend)
+    writer = DiskTier((source,), 1 << 20, tmp_path, KEY, BLOCK, stored.extend)
     writer.store(registered(TOKENS, [3, 7, 1, 9]))
     settle(writer, 4)
     assert [type(event) for event in stored] == [BlockStored]
     assert stored[0].token_ids == tuple(TOKENS[:16]) and stored[0].medium == MEDIUM_DISK
     writer.close()
     # Another process's tier on the same folder (a restart): the index comes from names.
-    reader = DiskTier(target, 1 << 20, tmp_path, KEY, BLOCK)
+    reader = DiskTier((target,), 1 << 20, tmp_path, KEY, BLOCK)
     assert reader.stats().num_blocks == 4
     job = loading(TOKENS, [0, 2, 4, 5], 4)
     assert reader.lookup(job.block_hashes) == 4
@@ -62,11 +62,28 @@ def test_blocks_come_back_bit_identical_into_other_blocks(tmp_path: Path) -> Non
     reader.close()
 
 
+def test_blocks_of_two_kv_shapes_come_back_bit_identical(tmp_path: Path) -> None:
+    """A model whose layers keep K/V of two shapes (Gemma 4): a block is both tensors'."""
+    wide = (1, 2, 10, BLOCK, 1, 16)  # one layer, one KV head of 16
+    source = (kv_cache(0), torch.randn(wide, generator=torch.Generator().manual_seed(3)))
+    target = (kv_cache(1), torch.zeros(wide))
+    writer = DiskTier(source, 1 << 20, tmp_path, KEY, BLOCK)
+    writer.store(registered(TOKENS, [3, 7, 1, 9]))
+    settle(writer, 4)
+    writer.close()
+    reader = DiskTier(target, 1 << 20, tmp_path, KEY, BLOCK)
+    assert load(reader, loading(TOKENS, [0, 2, 4, 5], 4)) == 4
+    for stored_id, loaded_id in zip([3, 7, 1, 9], [0, 2, 4, 5], strict=True):
+        for into, came_from in zip(target, source, strict=True):
+            assert torch.equal(into[:, :, loaded_id], came_from[:, :, stored_id])
+    reader.close()
+
+
 @pytest.mark.parametrize("damage", ["overwritten", "truncated", "foreign", "renamed"])
 def test_a_damaged_file_is_dropped_and_the_blocks_before_it_are_kept(
     tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    tier = DiskTier(kv_cache(0), 1 << 20, tmp_path, KEY, BLOCK)
+    tier = DiskTier((kv_cache(0),), 1 << 20, tmp_path, KEY, BLOCK)
     blocks = registered(TOKENS, [3, 7, 1, 9])
     tier.store(blocks)
     settle(tier, 4)
@@ -78,7 +95,7 @@ def test_a_damaged_file_is_dropped_and_the_blocks_before_it_are_kept(
     elif damage == "truncated":
         path.write_bytes(path.read_bytes()[:-100])
     elif damage == "foreign":  # a block of another model's folder, copied in
-        other = DiskTier(kv_cache(0), 1 << 20, tmp_path, "fedcba9876543210", BLOCK)
+        other = DiskTier((kv_cache(0),), 1 << 20, tmp_path, "fedcba9876543210", BLOCK)
         other.store(blocks[2:3])
         settle(other, 1)
         path.write_bytes((other.folder / path.name).read_bytes())
@@ -99,7 +116,7 @@ def test_a_damaged_file_is_dropped_and_the_blocks_before_it_are_kept(
 def test_the_budget_holds_and_the_least_recently_used_go_first(tmp_path: Path) -> None:
     capacity = 13 * block_bytes()
     events: list = []
-    tier = DiskTier(kv_cache(0), capacity, tmp_path, KEY, BLOCK, events.extend)
+    tier = DiskTier((kv_cache(0),), capacity, tmp_path, KEY, BLOCK, events.extend)
     first = list(range(17))
     tier.store(registered(first, [0, 1, 2, 3]))
     settle(tier, 4)
@@ -119,12 +136,12 @@ def test_the_budget_holds_and_the_least_recently_used_go_first(tmp_path: Path) -
 
 def test_two_tiers_on_one_folder_share_blocks_and_the_budget(tmp_path: Path) -> None:
     capacity = 12 * block_bytes()
-    one = DiskTier(kv_cache(0), capacity, tmp_path, KEY, BLOCK)
-    two = DiskTier(kv_cache(1), capacity, tmp_path, KEY, BLOCK)
+    one = DiskTier((kv_cache(0),), capacity, tmp_path, KEY, BLOCK)
+    two = DiskTier((kv_cache(1),), capacity, tmp_path, KEY, BLOCK)
     one.store(registered(TOKENS, [3, 7, 1, 9]))
     settle(one, 4)
     target = kv_cache(2)
-    reader = DiskTier(target, capacity, tmp_path, KEY, BLOCK)
+    reader = DiskTier((target,), capacity, tmp_path, KEY, BLOCK)
     job = loading(TOKENS, [0, 2, 4, 5], 4)
     assert two.lookup(job.block_hashes) == 4  # written by the other one after its start
     for n in range(1, 6):
@@ -149,7 +166,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> Non
         sys.path.insert(0, {str(Path.cwd())!r})
         from tests.support.kv_tiers import registered, kv_cache, KEY, BLOCK
         from engine.kv_tiers.disk_tier import DiskTier
-        tier = DiskTier(kv_cache(0), 1 << 30, Path({str(tmp_path)!r}), KEY, BLOCK)
+        tier = DiskTier((kv_cache(0),), 1 << 30, Path({str(tmp_path)!r}), KEY, BLOCK)
         print("ready", flush=True)
         n = 0
         while True:
@@ -165,7 +182,7 @@ def test_a_writer_killed_mid_write_leaves_nothing_trusted(tmp_path: Path) -> Non
     temporary = list(folder.glob(".*.tmp"))
     for path in temporary:  # as old as a killed writer's
         os.utime(path, (time.time() - 3600, time.time() - 3600))
-    tier = DiskTier(kv_cache(1), 1 << 30, tmp_path, KEY, BLOCK)
+    tier = DiskTier((kv_cache(1),), 1 << 30, tmp_path, KEY, BLOCK)
     assert not list(folder.glob(".*.tmp"))
     files = list(folder.glob("*.kv"))
     assert files and all(path.stat().st_size == block_bytes() for path in files)
@@ -187,4 +204,4 @@ def test_the_key_changes_with_the_settings_and_the_model_files(tmp_path: Path) -
 
 def test_a_budget_below_one_block_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="kv_disk_size"):
-        DiskTier(kv_cache(0), block_bytes() - 1, tmp_path, KEY, BLOCK)
+        DiskTier((kv_cache(0),), block_bytes() - 1, tmp_path, KEY, BLOCK)

@@ -19,7 +19,7 @@ BLOCK_BYTES = 2 * 2 * BLOCK * 2 * 8 * 4
 def test_blocks_come_back_bit_identical_and_the_oldest_go_first() -> None:
     source = kv_cache(0)
     events: list = []
-    tier = HostTier(source, 6 * BLOCK_BYTES, BLOCK, events.extend)
+    tier = HostTier((source,), 6 * BLOCK_BYTES, BLOCK, events.extend)
     tier.store(registered(TOKENS, [3, 7, 1, 9]))
     [stored] = events
     assert isinstance(stored, BlockStored) and stored.medium == MEDIUM_CPU
@@ -38,7 +38,7 @@ def test_blocks_come_back_bit_identical_and_the_oldest_go_first() -> None:
 
 
 def test_a_block_of_other_tokens_under_its_hash_is_not_served() -> None:
-    tier = HostTier(kv_cache(0), 8 * BLOCK_BYTES, BLOCK)
+    tier = HostTier((kv_cache(0),), 8 * BLOCK_BYTES, BLOCK)
     tier.store(registered(TOKENS, [3, 7, 1, 9]))
     job = loading(TOKENS, [0, 2, 4, 5], 4)
     job.seq.prompt_token_ids[5] = 9999  # block 1 holds other tokens than were stored

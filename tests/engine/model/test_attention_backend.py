@@ -35,7 +35,7 @@ def test_auto_passes_over_the_kernel_for_a_head_size_it_does_not_take() -> None:
     assert isinstance(choice.backend, TorchAttention)
     assert choice.backend.function is blockwise_attention  # row-invariant on the CPU
     assert list(choice.passed_over) == ["cpp"]
-    assert "head sizes 32, 64, 96, 128, 256, not 80" in choice.passed_over["cpp"]
+    assert "head sizes 32, 64, 96, 128, 256, 512, not 80" in choice.passed_over["cpp"]
 
 
 def test_auto_on_cuda_is_triton_then_torch_gathered() -> None:

@@ -101,7 +101,7 @@ def test_an_engine_on_a_mirror_of_the_block_tables_matches_generate(
     engine = llm.engine
     runner = engine.runner
     engine.runner = ModelRunner(
-        runner.model, runner.kv_cache, 4, engine.config.max_num_seqs, engine.max_model_len,
+        runner.model, runner.kv_caches, 4, engine.config.max_num_seqs, engine.max_model_len,
         mirror_block_tables=True,
     )  # fmt: skip
     assert engine.runner._device_tables.data_ptr() != engine.runner.block_tables.table.ctypes.data

@@ -18,7 +18,6 @@ from typing import Any
 import pytest
 from transformers import AutoConfig
 
-from cache import bytes_per_block
 from engine import LLM
 from engine.errors import UnsupportedModelError
 from tests.support.architectures import (
@@ -50,8 +49,8 @@ REFUSED: dict[str, tuple[str, dict[str, Any], str]] = {
 # Run again with preemption (it doubles a case's time): the features' and MLA's models, and
 # a hybrid of each recurrent kind.
 PREEMPTED = {
-    "qwen2-sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3-mla", "qwen3_5", "lfm2",
-    "granitemoehybrid",
+    "qwen2-sliding", "gemma2", "gemma3", "gpt_oss", "deepseek_v3-mla", "gemma4", "qwen3_5",
+    "lfm2", "granitemoehybrid",
 }  # fmt: skip
 MODELS = {**SERVED, **HYBRID}
 SETTINGS = {
@@ -77,8 +76,7 @@ def test_served_architectures_match_generate(tmp_path: Path, name: str):
     if name not in PREEMPTED:
         return
     # 14 blocks of 16 tokens for 23 prompt blocks: sequences wait, grow and are preempted.
-    layout = llm.engine.kv_layout
-    block_bytes = bytes_per_block(layout.num_layers, 16, layout.num_kv_heads, layout.head_dim, 4)
+    block_bytes = llm.engine.kv_layout.bytes_per_block(16, 4)
     budget, hybrid = 14 * block_bytes, {}
     if llm.engine.recurrent is not None:  # and 8 state slots beside them
         state_bytes = 8 * llm.engine.recurrent.bytes_per_slot

@@ -53,7 +53,7 @@ def run_step(llm: LLM, prompts: list[list[int]], first_blocks: list[int]) -> dic
         tables[i, :width] = np.arange(first, first + width)
         slots += [first * block_size + t for t in range(count)]
     meta = PagedAttentionMetadata(
-        kv_cache=engine.runner.kv_cache,
+        kv_caches=engine.runner.kv_caches,
         slot_mapping=torch.tensor(slots),
         block_tables=torch.from_numpy(tables),
         query_start=torch.from_numpy(starts),

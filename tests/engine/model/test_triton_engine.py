@@ -94,9 +94,10 @@ def test_padding_rows_write_no_kv_slot(tiny_model_paths):
     for i in range(3):  # three decode rows: bucket 4 with one padding row
         engine.add_request(f"r{i}", engine.processor.from_prompt([5 + i] * (3 + i), params))
     engine.step()  # the prefills
-    before = engine.runner.kv_cache.clone()
+    (kv_cache,) = engine.runner.kv_caches
+    before = kv_cache.clone()
     engine.step()  # one decode step of 3 sequences through bucket 4
-    changed = (engine.runner.kv_cache != before).any(dim=(0, 1, 4, 5)).nonzero().tolist()
+    changed = (kv_cache != before).any(dim=(0, 1, 4, 5)).nonzero().tolist()
     # Each sequence wrote its new token's slot (position = prompt length), nothing else.
     tables = engine.runner.block_tables
     assert sorted(changed) == sorted([tables.blocks(f"r{i}")[0], 3 + i] for i in range(3))

@@ -161,7 +161,7 @@ def test_after_preemptions() -> None:
     cases = list(CASES.values())
     settings = {"max_model_len": 224, "enable_prefix_caching": False, "enforce_eager": True}
     probe = make_llm(False, **settings, kv_cache_memory="32MiB")  # room in fp32 too
-    kv_cache = probe.engine.runner.kv_cache
+    (kv_cache,) = probe.engine.runner.kv_caches
     settings["kv_cache_memory"] = 14 * kv_cache[:, :, 0].numel() * kv_cache.element_size()
     expected = run(make_llm(False, **settings), cases)
     on = make_llm(True, **settings)

@@ -166,9 +166,11 @@ def test_the_kernel_and_the_torch_paths_agree(dtype: torch.dtype) -> None:
 
 
 def test_other_head_dims_of_real_models() -> None:
-    for head_dim in (96, 256):
-        case = make_case((5, 40), 4, 2, head_dim, 16, torch.float32, seed=head_dim)
-        assert_matches(run_kernel(case), case)
+    # 512: Gemma 4's global layers.
+    for head_dim in (96, 256, 512):
+        for dtype in (torch.float32, torch.bfloat16):
+            case = make_case((5, 40), 4, 2, head_dim, 16, dtype, seed=head_dim)
+            assert_matches(run_kernel(case), case)
 
 
 def test_int32_tables_and_lengths_give_the_same_result() -> None:
@@ -426,7 +428,7 @@ def test_the_backend_names_what_the_kernel_does_not_take() -> None:
     reason = CppAttention.unavailable_reason
     assert "runs on the CPU, not on cuda" in reason(torch.device("cuda"), torch.float32, 64, 16)
     assert "float32 or bfloat16, not torch.float16" in reason(cpu, torch.float16, 64, 16)
-    assert "head sizes 32, 64, 96, 128, 256, not 80" in reason(cpu, torch.float32, 80, 16)
+    assert "head sizes 32, 64, 96, 128, 256, 512, not 80" in reason(cpu, torch.float32, 80, 16)
     for dtype, head_size in ((torch.bfloat16, 64), (torch.float32, 128)):
         assert reason(cpu, dtype, head_size, 16) == unavailable_reason()  # the build's, if any
 
