@@ -244,10 +244,11 @@ class LLMEngine:
         return None
 
     def sleep(self, level: int) -> SleepReport:
-        """Give memory back while idle (see engine/sleep.py): level 1 the KV cache's pages,
-        level 2 also the file-mapped weights' pages. The prefix cache is forgotten first
-        (its KV is gone; a disk tier keeps its own). Call it with no unfinished request;
-        nothing needs undoing to serve again (`wake_up`)."""
+        """Give memory back while idle (see engine/sleep.py): level 1 the KV cache's pages
+        (and a hybrid model's recurrent state slots'), level 2 also the file-mapped
+        weights' pages. The prefix cache is forgotten first (its KV and checkpoints are
+        gone; a disk tier keeps its own). Call it with no unfinished request; nothing needs
+        undoing to serve again (`wake_up`)."""
         assert not self.has_unfinished_requests() and self.sleep_unsupported() is None
         if level not in (1, 2):
             raise ValueError(f"sleep level {level} is none of 1 and 2")
@@ -255,7 +256,8 @@ class LLMEngine:
         self.scheduler.reset_prefix_cache()
         if self.events is not None:
             self._publish_events()
-        for tensor in self.runner.kv_caches:
+        states = self.runner.eager.states
+        for tensor in (*self.runner.kv_caches, *(() if states is None else states.tensors())):
             sleep.release_tensor(tensor)
         if level == 2:
             sleep.release_mappings(sleep.weight_mappings(self.model))

@@ -11,6 +11,7 @@ import logging
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import LLM, SamplingParams
 from engine.request.intake import EngineRequest
@@ -149,3 +150,18 @@ def test_turn_starts_are_where_a_changed_conversation_parts(qwen3_5: Path) -> No
     assert tokenizer.decode(prompt[first:]).startswith("first")
     assert tokenizer.decode(prompt[last:]).startswith("last")
     assert tokenizer.decode(prompt[opening:]) == "<|im_start|>assistant\n"
+
+
+def test_sleep_gives_back_the_state_slots_and_the_next_request_is_unchanged(
+    qwen3_5: Path,
+) -> None:
+    llm = LLM(str(qwen3_5), **SETTINGS)
+    messages = [SYSTEM, _user("Hello")]
+    before = _chat(llm, messages)
+    states = llm.engine.runner.eager.states
+    assert states is not None and torch.count_nonzero(states.ssm) > 0
+    llm.engine.sleep(1)
+    assert all(torch.count_nonzero(tensor) == 0 for tensor in states.tensors())
+    llm.engine.wake_up()
+    after = _chat(llm, messages)
+    assert after[2] == 0 and after[:2] == before[:2]  # the checkpoints went with the pages

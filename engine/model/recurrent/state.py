@@ -72,6 +72,9 @@ class RecurrentStates:
     def padding_slot(self) -> int:
         return self.conv.shape[1] - 1
 
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.conv,) if self.ssm is None else (self.conv, self.ssm)
+
 
 @dataclass(slots=True)
 class RecurrentStep:
