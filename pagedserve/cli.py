@@ -148,7 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=config.log_level.upper(), format=LOG_FORMAT)
     # torch and transformers load only once the settings are known good, so that a bad
     # setting is reported at once.
-    from engine.errors import ModelLoadError
+    from engine.errors import ModelLoadError, UnsupportedModelError
     from engine.model.loader import resolve_model_folder
 
     try:
@@ -157,7 +157,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         entries: list[ServedModelConfig | None] = [*(config.models or [])] or [None]
         for entry in entries:
             resolve_model_folder(config.engine_config(entry).model)
-    except ModelLoadError as exc:
+    except (ModelLoadError, UnsupportedModelError) as exc:  # a GGUF's architecture, say
         return _usage_error(exc)
     try:
         connect(config.response_store_path()).close()  # an unusable store path, at once

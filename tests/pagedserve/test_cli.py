@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -10,20 +11,27 @@ import time
 from pathlib import Path
 
 import pytest
+from gguf import GGUFWriter
 
 from bench.tables import free_port
 from pagedserve.cli import main
 
 SERVE = [sys.executable, "-m", "pagedserve", "serve"]
+LOG_LINE = re.compile(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ ")
 
 
 def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
     unknown_key = tmp_path / "unknown.yaml"
     unknown_key.write_text("model: default\nmax_seqs: 4\n")
+    foreign = tmp_path / "rwkv.gguf"  # a GGUF of an architecture pagedserve does not serve
+    writer = GGUFWriter(str(foreign), "rwkv7")
+    for write in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.close):
+        write()
     cases = {
         "unknown setting 'max_seqs'": ["--config", str(unknown_key)],
         "invalid setting 'block_size'": ["--model", "default", "--block-size", "-1"],
         "model path not found": ["--model", str(tmp_path / "missing-model")],
+        "GGUF architecture 'rwkv7' is not one pagedserve serves": ["--model", str(foreign)],
     }
     # Started together: each pays the interpreter's import time, in parallel.
     processes = {
@@ -36,7 +44,10 @@ def test_invalid_configuration_exits_2_with_one_line(tmp_path: Path) -> None:
         for expected, process in processes.items():
             stdout, stderr = process.communicate(timeout=90)
             assert process.returncode == 2, (expected, stderr)
-            assert len(stderr.strip().splitlines()) == 1, stderr
+            # One line, after the log lines of what start-up did before it failed (a GGUF's
+            # metadata read).
+            lines = [line for line in stderr.strip().splitlines() if not LOG_LINE.match(line)]
+            assert len(lines) == 1 and lines[0].startswith("pagedserve: error: "), stderr
             assert expected in stderr
             assert "Traceback" not in stderr and not stdout
     finally:
