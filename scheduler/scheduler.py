@@ -130,6 +130,13 @@ class Scheduler:
       sequence runs. Its block table reaches the runner (`new_block_ids`) in the step that
       first schedules it, and only then does `freed` name it.
 
+    - With recurrent state (a hybrid model: the block manager holds a `StatePool`), every
+      scheduled chunk says where its state comes from and goes (`StateStep`): from
+      nothing at position 0, from the checkpoint a prefix hit resumed at in the step that
+      admitted it, else from its own slot; and which checkpoints it writes (see
+      `_state_step`). A sequence waits while no state slot is free, as for blocks, and
+      the checkpoints a step writes are found from the next `schedule()` on.
+
     Call order per step: `schedule()`, run the model on its output, `update()` with the
     sampled tokens, `accept_draft()` for each verified draft token (speculative decoding),
     then `finish()` the sequences that stopped. The block manager is the
