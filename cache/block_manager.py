@@ -36,9 +36,10 @@ class _SeqBlocks:
     prefix that ends with block i, for the blocks that have one. `blocks[:num_released]`
     keep their places in the table but are no longer held by it (`release_before`).
     With recurrent state, `resume_slot` is the checkpoint its first chunk reads the state
-    from (-1: none, the state starts empty), and `kv_hit_blocks` counts the blocks the
+    from (-1: none, the state starts empty), `kv_hit_blocks` counts the blocks the
     prefix cache held when it was admitted, of which only those up to a checkpoint were
-    taken.
+    taken, and `latest` is the prefix id of the checkpoint its generation wrote last
+    (None: none), which the next one replaces.
     """
 
     blocks: list[KVCacheBlock]
@@ -48,6 +49,7 @@ class _SeqBlocks:
     prefix_ids: list[int] = field(default_factory=list)
     resume_slot: int = -1
     kv_hit_blocks: int = 0
+    latest: int | None = None
 
 
 class BlockManager:
@@ -340,17 +342,24 @@ class BlockManager:
         a checkpoint there serves the next sequence that shares the prefix."""
         return self._seqs[seq_id].kv_hit_blocks * self.block_size
 
-    def add_checkpoint(self, seq_id: str, num_tokens: int) -> int | None:
+    def add_checkpoint(self, seq_id: str, num_tokens: int, latest: bool = False) -> int | None:
         """A state slot for the checkpoint of `seq_id`'s state after its first `num_tokens`
         tokens (a multiple of `block_size`, whose blocks it has registered), keyed by the
         prefix they hold; the step that computes that position writes it. None where
         there is no state pool, that prefix has no id, its checkpoint exists or no slot can
-        be had."""
+        be had. With `latest` (a checkpoint of its generation) it replaces the sequence's
+        latest one: a conversation's next turn resumes from the last."""
         seq = self._seqs[seq_id]
         index, rest = divmod(num_tokens, self.block_size)
         if self.state_pool is None or rest or not 0 < index <= len(seq.prefix_ids):
             return None
-        return self.state_pool.add_checkpoint(seq.prefix_ids[index - 1])
+        prefix_id = seq.prefix_ids[index - 1]
+        slot = self.state_pool.add_checkpoint(prefix_id)
+        if latest and slot is not None:
+            if seq.latest is not None:
+                self.state_pool.drop(seq.latest)
+            seq.latest = prefix_id
+        return slot
 
     def release_before(self, seq_id: str, num_tokens: int) -> int:
         """Release the blocks of `seq_id` that hold only tokens before position

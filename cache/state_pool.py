@@ -102,10 +102,12 @@ class StatePool:
         return slot
 
     def drop(self, prefix_id: int) -> None:
-        """Forget the checkpoint after the block `prefix_id` names (it was evicted)."""
-        slot = self._checkpoints.pop(prefix_id, None)
-        if slot is not None:
-            self._pending.discard(prefix_id)
+        """Forget the checkpoint after the block `prefix_id` names (its block was evicted,
+        or a later checkpoint replaces it), unless this step reads or writes it: then it
+        stays, for eviction in its turn."""
+        slot = self._checkpoints.get(prefix_id)
+        if slot is not None and slot not in self._busy:
+            del self._checkpoints[prefix_id]
             self._free.append(slot)
 
     def clear(self) -> None:

@@ -588,15 +588,21 @@ class Scheduler:
         the block boundaries, within the chunk, at or before the prompt's turn starts and
         its last token, and where the prefix cache's blocks ran out for it at admission
         (another prompt parted from it there, so the next one that shares the prefix
-        resumes from it)."""
+        resumes from it); while generating, at the end of each block, replacing the one
+        before (the conversation's next turn, which holds this reply, resumes from the
+        last)."""
         manager = self.block_manager
         if manager.state_pool is None:
             return None
         slot, resume = manager.state_slots(seq.seq_id)
         source = -1 if start == 0 else resume if admitted else slot
-        if start >= seq.num_prompt_tokens:
-            return StateStep(slot, source)
         size = manager.block_size
+        if start >= seq.num_prompt_tokens:  # generating: a checkpoint at each block's end
+            boundary = end // size * size
+            checkpoint = None
+            if start < boundary:
+                checkpoint = manager.add_checkpoint(seq.seq_id, boundary, latest=True)
+            return StateStep(slot, source, () if checkpoint is None else ((boundary, checkpoint),))
         wanted = {
             *seq.checkpoint_positions,
             # The last full block before the prompt's last token: a hit on this prompt

@@ -46,6 +46,19 @@ def test_checkpoints_are_evicted_least_recently_used_and_never_while_busy() -> N
     assert pool.num_available == 0  # 1 busy (read), 9 busy (pending), "a" live
 
 
+def test_a_checkpoint_in_use_this_step_is_not_dropped() -> None:
+    pool = StatePool(2)
+    pool.add_checkpoint(1)
+    pool.drop(1)  # written this step
+    pool.next_step()
+    pool.resume(1)
+    pool.drop(1)  # read this step
+    assert pool.has_checkpoint(1)
+    pool.next_step()
+    pool.drop(1)
+    assert not pool.has_checkpoint(1)
+
+
 def test_drop_and_clear_free_checkpoint_slots() -> None:
     pool = StatePool(2)
     pool.add_checkpoint(1)

@@ -165,3 +165,23 @@ def test_sleep_gives_back_the_state_slots_and_the_next_request_is_unchanged(
     llm.engine.wake_up()
     after = _chat(llm, messages)
     assert after[2] == 0 and after[:2] == before[:2]  # the checkpoints went with the pages
+
+
+def test_the_next_turn_resumes_after_the_reply_with_a_cold_runs_bits(qwen3_5: Path) -> None:
+    """A conversation's next prompt holds this turn's reply as generated: generating leaves
+    a checkpoint at each block's end, the last one kept, so the next turn resumes there."""
+    llm = LLM(str(qwen3_5), **SETTINGS)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=1)
+    prompt = list(range(10, 60))
+    reply = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    computed = len(prompt) + len(reply) - 1  # the last token was sampled, not computed
+    pool = llm.engine.scheduler.block_manager.state_pool
+    assert pool is not None and pool.num_checkpoints == 2  # before the last token, latest
+    turn = [*prompt, *reply, 7, 8, 9, 10, 11]
+    warm = llm.generate([turn], params, use_tqdm=False)[0]
+    assert warm.num_cached_tokens == computed // 16 * 16
+    cold = LLM(str(qwen3_5), **SETTINGS).generate([turn], params, use_tqdm=False)[0]
+    assert warm.outputs[0].token_ids == cold.outputs[0].token_ids
+    assert [e.logprob for e in warm.outputs[0].logprobs] == [
+        e.logprob for e in cold.outputs[0].logprobs
+    ]
