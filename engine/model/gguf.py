@@ -13,6 +13,12 @@ naming it, before any weight is read. Later
 starts read that folder; `GgufFile` maps the file (a numpy memory map) and finds each
 tensor by the index.
 
+A hybrid's file (Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1:
+`gguf_hybrid.py`) has its config written from tables of llama.cpp's keys, and its tensors
+placed by tables of the converter's names and transforms (`GgufFile._placed`): stored
+tensors joined into one parameter (`StoredRows`), rows reordered, columns reordered by
+whole blocks where a quantized weight allows (else dequantized), values undone.
+
 `GgufFile.tensors(model)` names each tensor by the transformers parameter it holds (gguf's
 tensor name map, as transformers' `get_gguf_hf_weights_map` uses it) and says how
 transformers' processor for the architecture lays it out: Llama's q and k rows are stored
@@ -42,7 +48,11 @@ from gguf import (
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 from transformers import AutoConfig, AutoTokenizer, PreTrainedModel
-from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+from transformers.modeling_gguf_pytorch_utils import (
+    TENSOR_PROCESSORS,
+    GGUFTensor,
+    TensorProcessor,
+)
 
 from engine.config import cache_root
 from engine.errors import ModelLoadError, UnsupportedModelError
@@ -55,11 +65,21 @@ from engine.model.gguf_encoder import (
     write_decoder_pooling,
     write_encoder_folder,
 )
+from engine.model.gguf_hybrid import (
+    HYBRID_ARCHITECTURES,
+    MOE_ARCHITECTURES,
+    MOE_REFUSAL,
+    Placement,
+    placements,
+    unread,
+    write_hybrid_folder,
+)
 
 # GGUF architecture names (`general.architecture`) pagedserve serves, each exactly: its
 # transformers config and model compute what llama.cpp computes for it. Mistral's models
-# are "llama" files (transformers reads them as Mistral's by their `general.name`).
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# are "llama" files (transformers reads them as Mistral's by their `general.name`). The
+# hybrids' config and tensors are `gguf_hybrid.py`'s.
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", *HYBRID_ARCHITECTURES)
 # A tensor that holds no transformers parameter but is read here.
 ROPE_FREQS = "rope_freqs.weight"
 # Written last into a metadata folder: the file's architecture, tensor index and factors;
@@ -80,24 +100,28 @@ class GgufTensor:
     """One tensor of the file under a transformers parameter's name.
 
     `blocks` is the file's own data, memory-mapped: `[rows, bytes per row]` for a block
-    type, the values `[rows, columns]` (or `[columns]`) for F32, F16 and BF16. `rows` is the
-    order of the stored rows that gives transformers' layout (None: as stored);
-    `row_order_only` is false where the processor changes values, which only `dense`
-    applies.
+    type, the values `[rows, columns]` (or `[columns]`) for F32, F16 and BF16; or several
+    stored tensors read as one (`StoredRows`, a hybrid's joined or column-permuted
+    tensors). `shape` is the parameter's. `rows` is the order of the stored rows that
+    gives transformers' layout (None: as stored); `row_order_only` is false where the
+    processor changes values, which only `dense` applies.
     """
 
     name: str
     ggml_type: str
     shape: tuple[int, ...]
-    blocks: np.ndarray
+    blocks: np.ndarray | StoredRows
     rows: np.ndarray | None
     row_order_only: bool
     processor: TensorProcessor
 
     def dense(self) -> torch.Tensor:
         """The tensor in fp32, as transformers lays it out: GGML's dequantization."""
-        values = dequantize(self.blocks, GGMLQuantizationType[self.ggml_type]).reshape(self.shape)
-        values = self.processor.process(weights=values, name=self.name).weights
+        if isinstance(self.blocks, StoredRows):
+            values = self.blocks.values()
+        else:
+            values = dequantize(self.blocks, GGMLQuantizationType[self.ggml_type])
+        values = self.processor.process(weights=values.reshape(self.shape), name=self.name).weights
         return torch.from_numpy(np.array(values, dtype=np.float32))
 
     def rows_dequantized(self, order: slice | np.ndarray) -> torch.Tensor:
@@ -128,6 +152,8 @@ class GgufFile:
     def tensors(self, model: PreTrainedModel) -> dict[str, GgufTensor]:
         """Every tensor the model takes, by its parameter's name (see the module docstring).
         Raises `UnsupportedModelError` naming a tensor that has no place in the model."""
+        if self.architecture in HYBRID_ARCHITECTURES:
+            return self._placed(model)
         processor = TENSOR_PROCESSORS.get(self.architecture, TensorProcessor)(
             config=model.config.to_dict()
         )
@@ -155,6 +181,51 @@ class GgufFile:
             )  # fmt: skip
         return tensors
 
+    def _placed(self, model: PreTrainedModel) -> dict[str, GgufTensor]:
+        """A hybrid's tensors by `gguf_hybrid.placements` (a parameter whose stored tensors
+        the file lacks is left out, for the loader to name). Raises `UnsupportedModelError`
+        naming a stored tensor that no parameter takes and that is not left unread."""
+        entries = {entry[0]: entry for entry in self.index}
+        shapes = {
+            name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)
+        }
+        tensors, used = {}, set()
+        for name, candidates in placements(model.config).items():
+            held = (p for p in candidates if all(source in entries for source in p.sources))
+            placement = next(held, None)
+            if name in shapes and placement is not None:
+                parts = [entries[source] for source in placement.sources]
+                tensors[name] = self._join(parts, placement, shapes[name])
+                used.update(placement.sources)
+        for stored in entries:
+            if stored not in used and not unread(model.config, stored):
+                raise UnsupportedModelError(
+                    f"{self.path.name}: tensor '{stored}' has no place in transformers' "
+                    f"{model.config.model_type} model, so it would not be computed"
+                )
+        return tensors
+
+    def _join(self, parts: list[list], placement: Placement, shape: tuple[int, ...]) -> GgufTensor:
+        """Stored tensors as one parameter: read as they are (for the kernel) where only
+        their rows are reordered, and their columns, if at all, by whole blocks; otherwise
+        only `dense` (mixed types are that, under the name F32)."""
+        types = {entry[1] for entry in parts}
+        mixed = len(types) > 1
+        ggml_type = "F32" if mixed else parts[0][1]
+        units = None if mixed else _block_order(placement.columns, ggml_type)
+        data = [self.blocks(entry) for entry in parts]
+        blocks = (
+            data[0]
+            if len(parts) == 1 and units is None
+            else StoredRows(data, [entry[1] for entry in parts], placement.axis, units)
+        )
+        columns = placement.columns is not None and units is None
+        return GgufTensor(
+            parts[0][0], ggml_type, shape, blocks, placement.rows,
+            placement.undo is None and not mixed and not columns,
+            _Undone(placement, columns),
+        )  # fmt: skip
+
     def _split(
         self, entry: list, targets: tuple[str, ...], processor: TensorProcessor
     ) -> dict[str, GgufTensor]:
@@ -179,6 +250,82 @@ class GgufFile:
         """Let go of the file's pages this process has touched (the kernel keeps them in
         its page cache): a conversion that reads the file once does not hold it all."""
         self.mapped._mmap.madvise(mmap.MADV_DONTNEED)
+
+
+class StoredRows:
+    """Stored tensors read as one: their rows one after another (`axis` 0), or each
+    leading row (an expert's matrix) of one followed by the same row of the next (`axis`
+    1); each row's blocks (or values) in `units` order where given. Indexing gives the
+    stored data of the rows asked for, in the order asked (parts of one type); `values`
+    dequantizes."""
+
+    def __init__(
+        self, parts: list[np.ndarray], types: list[str], axis: int, units: np.ndarray | None
+    ) -> None:
+        self.parts = [part.reshape(len(part), -1) for part in parts]
+        self.types, self.axis, self.units = types, axis, units
+        widths = [part.shape[1] for part in self.parts]
+        rows = [len(part) for part in self.parts]
+        self.shape = (sum(rows), widths[0]) if axis == 0 else (rows[0], sum(widths))
+        self.starts = np.cumsum([0, *rows])
+
+    def __getitem__(self, index: slice | np.ndarray) -> np.ndarray:
+        if self.axis == 1:
+            return np.concatenate([part[index] for part in self.parts], axis=1)
+        rows = np.arange(self.shape[0])[index]
+        out = np.empty((len(rows), self.shape[1]), dtype=self.parts[0].dtype)
+        for part, start, stop in zip(self.parts, self.starts, self.starts[1:], strict=False):
+            mine = (rows >= start) & (rows < stop)
+            out[mine] = part[rows[mine] - start]
+        if self.units is None:
+            return out
+        return out.reshape(len(rows), len(self.units), -1)[:, self.units].reshape(len(rows), -1)
+
+    def values(self) -> np.ndarray:
+        """The joined tensor, dequantized (each part by its own type where they differ)."""
+        if len(set(self.types)) == 1:
+            return dequantize(self[:], GGMLQuantizationType[self.types[0]])
+        values = [
+            dequantize(part, GGMLQuantizationType[kind]).reshape(len(part), -1)
+            for part, kind in zip(self.parts, self.types, strict=True)
+        ]
+        return np.concatenate(values, axis=self.axis)
+
+
+def _block_order(columns: np.ndarray | None, ggml_type: str) -> np.ndarray | None:
+    """The order of a block type's blocks in a row that `columns` amounts to, where it
+    moves whole blocks only (None otherwise, or for a float type)."""
+    if columns is None or ggml_type in FLOAT_TYPES:
+        return None
+    per_block = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
+    if len(columns) % per_block:
+        return None
+    runs = columns.reshape(-1, per_block)
+    starts = runs[:, 0]
+    if np.any(starts % per_block) or not np.array_equal(
+        runs, starts[:, None] + np.arange(per_block)
+    ):
+        return None
+    return starts // per_block
+
+
+class _Undone(TensorProcessor):
+    """A hybrid's placement applied to the dequantized values: the value transform, the
+    row order, and the column order where the blocks do not already hold it."""
+
+    def __init__(self, placement: Placement, columns: bool) -> None:
+        super().__init__()
+        self.placement, self.columns = placement, columns
+
+    def process(self, weights: np.ndarray, name: str, **kwargs) -> GGUFTensor:
+        placement = self.placement
+        if placement.undo is not None:
+            weights = placement.undo(weights)
+        if placement.rows is not None:
+            weights = weights[placement.rows]
+        if self.columns:
+            weights = weights[:, placement.columns]
+        return GGUFTensor(weights, name, {})
 
 
 def _parameter_names(
@@ -250,6 +397,12 @@ def _write_metadata(path: Path, staging: Path) -> None:
     architecture = metadata_field(reader, path, "general.architecture")
     if architecture in ENCODER_ARCHITECTURES:
         write_encoder_folder(reader, path, staging, architecture)
+    elif architecture in MOE_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{path.name}: GGUF architecture '{architecture}' is {MOE_REFUSAL}"
+        )
+    elif architecture in HYBRID_ARCHITECTURES:
+        write_hybrid_folder(reader, path, staging, architecture)
     elif architecture in ARCHITECTURES:
         _write_decoder_folder(reader, path, staging, architecture)
     else:

@@ -179,13 +179,14 @@ def _tensor_shapes(
     return shapes
 
 
-def _add_tokenizer(writer: GGUFWriter, tokenizer) -> None:
-    """The tokenizer as llama.cpp's converter writes a byte-level BPE ("gpt2")."""
+def _add_tokenizer(writer: GGUFWriter, tokenizer, pre: str = "default") -> None:
+    """The tokenizer as llama.cpp's converter writes a byte-level BPE ("gpt2"), its
+    pre-tokenizer named `pre`."""
     model = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
     by_id = sorted(model["vocab"].items(), key=lambda item: item[1])
     tokens = [token for token, _ in by_id]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(
         [TokenType.CONTROL if token in SPECIAL_TOKENS else TokenType.NORMAL for token in tokens]
