@@ -5,7 +5,10 @@
 
 - a linear or embedding weight stored in a type of `ggml_blocks.BLOCKS` becomes a
   `QuantizedLinear` or `QuantizedEmbedding` over the very same weights (the blocks
-  repacked for the kernel, no value changed); a head tied to its embedding shares it;
+  repacked for the kernel, no value changed); a head tied to its embedding shares it; a
+  linear whose columns are stored in another order (`GgufTensor.columns`: Qwen3.5's value
+  heads) keeps its blocks as stored and gathers its input in the inverse order (its
+  `order`, saved beside the weight as `<name>.order`, int32);
 - one stored in another block type (Q2_K, Q3_K, the IQ types) is quantized again to int8
   groups, with loss, which start-up says in one line naming the type;
 - everything else (norms, biases, F32/F16/BF16 weights) is kept as stored and computed in
@@ -47,10 +50,13 @@ logger = logging.getLogger(__name__)
 WEIGHTS_FILE = "weights.safetensors"
 # Written last into a converted folder: what was converted, and how.
 SOURCE_FILE = "pagedserve_converted.json"
-FORMAT = "pagedserve-gguf-1"
+FORMAT = "pagedserve-gguf-2"
 ROW_CHUNK = 2048  # rows converted at a time (a multiple of group_linear.TILE)
 REQUANTIZED_BITS = 8
-_DTYPES = {"U8": torch.uint8, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32}
+_DTYPES = {
+    "U8": torch.uint8, "I32": torch.int32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F32": torch.float32,
+}  # fmt: skip
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
@@ -106,7 +112,14 @@ class _Entry:
             arrays[f"{self.name}.sub"] = ("U8", (tiles, k // group_linear.GROUP, 2, 16))
         elif scheme == SUPER_SIGNED:
             arrays[f"{self.name}.sub"] = ("U8", (tiles, k // 16, 16))
+        if self.tensor.columns is not None:
+            arrays[f"{self.name}.order"] = ("I32", (k,))
         return arrays
+
+    def order(self) -> torch.Tensor:
+        """The input order of a packed or requantized entry whose columns are reordered:
+        the inverse of their order (see `QuantizedLinear`)."""
+        return torch.from_numpy(np.argsort(self.tensor.columns).astype(np.int32))
 
     def format(self) -> tuple[int, int]:
         """(bits, scheme) of a packed or requantized entry."""
@@ -134,7 +147,8 @@ def _plan(gguf: GgufFile, model: nn.Module) -> list[_Entry]:
     for name, tensor in gguf.tensors(model).items():
         module = modules[name.rpartition(".")[0]]
         matrix = name.endswith(".weight") and isinstance(module, nn.Linear | nn.Embedding)
-        if not matrix or tensor.ggml_type in FLOAT_TYPES:
+        reordered = tensor.columns is not None and isinstance(module, nn.Embedding)
+        if not matrix or reordered or tensor.ggml_type in FLOAT_TYPES:
             kind = "dense"
         elif tensor.ggml_type in ggml_blocks.BLOCKS and tensor.row_order_only:
             kind = "packed"
@@ -178,13 +192,15 @@ def _write_packed(
     file: TensorFile, entry: _Entry, arrays: dict[str, tuple[str, tuple[int, ...]]]
 ) -> None:
     """Write a packed or requantized entry's parts (those among `arrays`), chunk by
-    chunk, each at its tiles' offset."""
+    chunk, each at its tiles' offset, and its input order where it has one."""
     for start, packed in entry.chunks():
         tile = start // group_linear.TILE
         for part in ("codes", "scales", "offsets", "sub"):
             if f"{entry.name}.{part}" in arrays:
                 values = getattr(packed, part)
                 file.write(f"{entry.name}.{part}", tile * values[0].nbytes, values)
+    if f"{entry.name}.order" in arrays:
+        file.write(f"{entry.name}.order", 0, entry.order())
 
 
 class TensorFile:
@@ -265,9 +281,10 @@ def _place(
     dtype: torch.dtype,
     kernel_rows: int | None,
 ) -> None:
-    """Set every stored parameter and layer into `model`; a head tied to its embedding
-    takes the embedding's table (an untied embedding's table is never called as a linear,
-    so it keeps no dense copy, whatever `kernel_rows`)."""
+    """Set every stored parameter and layer (with its input order, where stored) into
+    `model`; a head tied to its embedding takes the embedding's table (an untied
+    embedding's table is never called as a linear, so it keeps no dense copy, whatever
+    `kernel_rows`)."""
     modules = dict(model.named_modules())
     for name, tensor in tensors.items():
         if name.rpartition(".")[0] not in layers and name not in layers:
@@ -284,9 +301,11 @@ def _place(
         module = modules[module_name]
         embedding = isinstance(module, nn.Embedding)
         rows = kernel_rows if tied or not embedding else None
+        order = tensors.get(f"{name}.order")
         linear = QuantizedLinear(
-            _packed(tensors, name, layer), getattr(module, "bias", None), rows, dtype
-        )
+            _packed(tensors, name, layer), getattr(module, "bias", None), rows, dtype,
+            None if order is None else order.long(),
+        )  # fmt: skip
         replacement = (
             QuantizedEmbedding(linear, dtype, getattr(module, "embed_scale", None))
             if embedding

@@ -40,6 +40,7 @@ Invariants of a `QuantizedLinear`:
 
 from __future__ import annotations
 
+import hashlib
 import weakref
 from pathlib import Path
 
@@ -110,6 +111,14 @@ class QuantizedLinear(OpaqueLinear):
     `kernel_rows` is None (the kernel runs at every row count and `dense` is None) or a
     positive row count, and then `dense` is a `PackedLinear` over Wq unpacked to `dtype`; a
     forward of at most `kernel_rows` rows runs `kernel`, a larger one `dense`.
+
+    `order` (int64 `[in_features]`, a permutation, or None) is an input order: the layer
+    computes `x[..., order] Wq^T + b`, the weight `W = Wq[:, argsort(order)]` whose
+    columns Wq holds in another order (a GGUF's blocks as stored, whose columns no block
+    order can put back: Qwen3.5's value heads in K-quant super-blocks). `forward` gathers
+    `x` before the op, each row alone; `compute` and `kernel` take inputs already in
+    `order`. It is a buffer, which a compiled graph reads as a tensor, and `extra_repr`
+    names its digest, so a graph's key changes with it.
     """
 
     def __init__(
@@ -118,8 +127,16 @@ class QuantizedLinear(OpaqueLinear):
         bias: nn.Parameter | None,
         kernel_rows: int | None,
         dtype: torch.dtype,
+        order: torch.Tensor | None = None,
     ) -> None:
         super().__init__()
+        if order is not None and not torch.equal(
+            torch.sort(order).values, torch.arange(weight.in_features)
+        ):
+            raise ValueError("an input order must be a permutation of the layer's inputs")
+        self.register_buffer(
+            "order", None if order is None else order.to(torch.int64), persistent=False
+        )
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.bits = weight.bits
@@ -148,7 +165,10 @@ class QuantizedLinear(OpaqueLinear):
         return cls(weight, linear.bias, kernel_rows, linear.weight.dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """`pagedserve::quantized_linear`, the C++ op, in eager steps and compiled graphs."""
+        """`pagedserve::quantized_linear`, the C++ op, in eager steps and compiled graphs
+        (over `x` in `order`, where set)."""
+        if self.order is not None:
+            x = x.index_select(-1, self.order)
         return torch.ops.pagedserve.quantized_linear(x, self.handle)
 
     def compute(self, x: torch.Tensor) -> torch.Tensor:
@@ -163,16 +183,24 @@ class QuantizedLinear(OpaqueLinear):
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` of the weight, dequantized to fp32 `[len(ids), in_features]`."""
-        return group_linear.unpack(self.weight, ids)
+        """Rows `ids` of the weight the layer computes (W: its columns in its inputs'
+        order, not the codes'), dequantized to fp32 `[len(ids), in_features]`."""
+        rows = group_linear.unpack(self.weight, ids)
+        return rows if self.order is None else rows[:, torch.argsort(self.order)]
 
     def extra_repr(self) -> str:
         rows = "all" if self.kernel_rows is None else f"<={self.kernel_rows}"
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"{self.bits}-bit codes in groups of {group_linear.GROUP} "
-            f"({SCHEME_NAMES[self.weight.scheme]}), kernel rows {rows}"
+            f"({SCHEME_NAMES[self.weight.scheme]}), kernel rows {rows}{self._order_repr()}"
         )
+
+    def _order_repr(self) -> str:
+        if self.order is None:
+            return ""
+        digest = hashlib.sha256(self.order.numpy().tobytes()).hexdigest()[:16]
+        return f", inputs in order {digest}"
 
 
 _op_loaded = False

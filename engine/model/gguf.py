@@ -14,10 +14,12 @@ starts read that folder; `GgufFile` maps the file (a numpy memory map) and finds
 tensor by the index.
 
 A hybrid's file (Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H, Falcon-H1:
-`gguf_hybrid.py`) has its config written from tables of llama.cpp's keys, and its tensors
-placed by tables of the converter's names and transforms (`GgufFile._placed`): stored
-tensors joined into one parameter (`StoredRows`), rows reordered, columns reordered by
-whole blocks where a quantized weight allows (else dequantized), values undone.
+`gguf_hybrid.py`), and Gemma 4's, which transformers' mapping reads in part, has its
+config written from tables of llama.cpp's keys, and its tensors (and buffers: Gemma 4's
+layer scalars) placed by tables of the converter's names and transforms
+(`GgufFile._placed`): stored tensors joined into one parameter (`StoredRows`), rows
+reordered, columns reordered (the kernel takes a quantized weight's blocks as stored, its
+input gathered in the inverse order: `GgufTensor.columns`), values undone.
 
 `GgufFile.tensors(model)` names each tensor by the transformers parameter it holds (gguf's
 tensor name map, as transformers' `get_gguf_hf_weights_map` uses it) and says how
@@ -101,10 +103,13 @@ class GgufTensor:
 
     `blocks` is the file's own data, memory-mapped: `[rows, bytes per row]` for a block
     type, the values `[rows, columns]` (or `[columns]`) for F32, F16 and BF16; or several
-    stored tensors read as one (`StoredRows`, a hybrid's joined or column-permuted
-    tensors). `shape` is the parameter's. `rows` is the order of the stored rows that
-    gives transformers' layout (None: as stored); `row_order_only` is false where the
-    processor changes values, which only `dense` applies.
+    stored tensors read as one (`StoredRows`, a hybrid's joined tensors). `shape` is the
+    parameter's. `rows` is the order of the stored rows that gives transformers' layout
+    (None: as stored); `columns` that of the stored columns
+    (`parameter[:, j] = stored[:, columns[j]]`; None: as stored), which `dense` applies and
+    a kernel over the blocks as stored takes as its input order (`argsort(columns)`);
+    `row_order_only` is false where the processor does more than reorder rows and columns
+    (changes values), which only `dense` applies.
     """
 
     name: str
@@ -114,6 +119,7 @@ class GgufTensor:
     rows: np.ndarray | None
     row_order_only: bool
     processor: TensorProcessor
+    columns: np.ndarray | None = None
 
     def dense(self) -> torch.Tensor:
         """The tensor in fp32, as transformers lays it out: GGML's dequantization."""
@@ -186,9 +192,8 @@ class GgufFile:
         the file lacks is left out, for the loader to name). Raises `UnsupportedModelError`
         naming a stored tensor that no parameter takes and that is not left unread."""
         entries = {entry[0]: entry for entry in self.index}
-        shapes = {
-            name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)
-        }
+        named = (*model.named_parameters(remove_duplicate=False), *model.named_buffers())
+        shapes = {name: tuple(p.shape) for name, p in named}  # buffers: Gemma 4's layer_scalar
         tensors, used = {}, set()
         for name, candidates in placements(model.config).items():
             held = (p for p in candidates if all(source in entries for source in p.sources))
@@ -206,24 +211,20 @@ class GgufFile:
         return tensors
 
     def _join(self, parts: list[list], placement: Placement, shape: tuple[int, ...]) -> GgufTensor:
-        """Stored tensors as one parameter: read as they are (for the kernel) where only
-        their rows are reordered, and their columns, if at all, by whole blocks; otherwise
-        only `dense` (mixed types are that, under the name F32)."""
+        """Stored tensors as one parameter: read as they are (for the kernel, its input in
+        the inverse of the column order) where only their rows and columns are reordered;
+        otherwise only `dense` (mixed types are that, under the name F32)."""
         types = {entry[1] for entry in parts}
         mixed = len(types) > 1
-        ggml_type = "F32" if mixed else parts[0][1]
-        units = None if mixed else _block_order(placement.columns, ggml_type)
         data = [self.blocks(entry) for entry in parts]
         blocks = (
             data[0]
-            if len(parts) == 1 and units is None
-            else StoredRows(data, [entry[1] for entry in parts], placement.axis, units)
+            if len(parts) == 1
+            else StoredRows(data, [entry[1] for entry in parts], placement.axis)
         )
-        columns = placement.columns is not None and units is None
         return GgufTensor(
-            parts[0][0], ggml_type, shape, blocks, placement.rows,
-            placement.undo is None and not mixed and not columns,
-            _Undone(placement, columns),
+            parts[0][0], "F32" if mixed else parts[0][1], shape, blocks, placement.rows,
+            placement.undo is None and not mixed, _Undone(placement), placement.columns,
         )  # fmt: skip
 
     def _split(
@@ -255,15 +256,12 @@ class GgufFile:
 class StoredRows:
     """Stored tensors read as one: their rows one after another (`axis` 0), or each
     leading row (an expert's matrix) of one followed by the same row of the next (`axis`
-    1); each row's blocks (or values) in `units` order where given. Indexing gives the
-    stored data of the rows asked for, in the order asked (parts of one type); `values`
-    dequantizes."""
+    1). Indexing gives the stored data of the rows asked for, in the order asked (parts of
+    one type); `values` dequantizes."""
 
-    def __init__(
-        self, parts: list[np.ndarray], types: list[str], axis: int, units: np.ndarray | None
-    ) -> None:
+    def __init__(self, parts: list[np.ndarray], types: list[str], axis: int) -> None:
         self.parts = [part.reshape(len(part), -1) for part in parts]
-        self.types, self.axis, self.units = types, axis, units
+        self.types, self.axis = types, axis
         widths = [part.shape[1] for part in self.parts]
         rows = [len(part) for part in self.parts]
         self.shape = (sum(rows), widths[0]) if axis == 0 else (rows[0], sum(widths))
@@ -277,9 +275,7 @@ class StoredRows:
         for part, start, stop in zip(self.parts, self.starts, self.starts[1:], strict=False):
             mine = (rows >= start) & (rows < stop)
             out[mine] = part[rows[mine] - start]
-        if self.units is None:
-            return out
-        return out.reshape(len(rows), len(self.units), -1)[:, self.units].reshape(len(rows), -1)
+        return out
 
     def values(self) -> np.ndarray:
         """The joined tensor, dequantized (each part by its own type where they differ)."""
@@ -292,30 +288,13 @@ class StoredRows:
         return np.concatenate(values, axis=self.axis)
 
 
-def _block_order(columns: np.ndarray | None, ggml_type: str) -> np.ndarray | None:
-    """The order of a block type's blocks in a row that `columns` amounts to, where it
-    moves whole blocks only (None otherwise, or for a float type)."""
-    if columns is None or ggml_type in FLOAT_TYPES:
-        return None
-    per_block = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]][0]
-    if len(columns) % per_block:
-        return None
-    runs = columns.reshape(-1, per_block)
-    starts = runs[:, 0]
-    if np.any(starts % per_block) or not np.array_equal(
-        runs, starts[:, None] + np.arange(per_block)
-    ):
-        return None
-    return starts // per_block
-
-
 class _Undone(TensorProcessor):
     """A hybrid's placement applied to the dequantized values: the value transform, the
-    row order, and the column order where the blocks do not already hold it."""
+    row order and the column order."""
 
-    def __init__(self, placement: Placement, columns: bool) -> None:
+    def __init__(self, placement: Placement) -> None:
         super().__init__()
-        self.placement, self.columns = placement, columns
+        self.placement = placement
 
     def process(self, weights: np.ndarray, name: str, **kwargs) -> GGUFTensor:
         placement = self.placement
@@ -323,7 +302,7 @@ class _Undone(TensorProcessor):
             weights = placement.undo(weights)
         if placement.rows is not None:
             weights = weights[placement.rows]
-        if self.columns:
+        if placement.columns is not None:
             weights = weights[:, placement.columns]
         return GGUFTensor(weights, name, {})
 
@@ -415,7 +394,8 @@ def _write_metadata(path: Path, staging: Path) -> None:
         "gguf": path.name,
         "architecture": architecture,
         "types": dict(Counter(t.tensor_type.name for t in reader.tensors)),
-        "rope_freqs": _rope_freqs(reader),
+        # A hybrid's config holds its rotary factors, if any (Gemma 4's proportional rope).
+        "rope_freqs": None if architecture in HYBRID_ARCHITECTURES else _rope_freqs(reader),
         "tensors": [_entry(tensor) for tensor in reader.tensors],
     }
     (staging / SOURCE_FILE).write_text(json.dumps(source) + "\n")  # last: marks it complete

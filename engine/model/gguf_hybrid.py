@@ -33,14 +33,26 @@ it is made of and how the converter changed them). What the converter does, undo
   all 1, which computes what the checkpoint did (each scales a linear map or its input),
   and is served as that model.
 
+Gemma 4's files (`gemma4`) are read by the same tables, though it is no hybrid:
+transformers' GGUF mapping reads its config in part (not its per-layer head sizes, KV
+head counts, sharing or rope). Its converter stores every tensor as it is (no norm plus
+one), the per-layer inputs' tables and projections under their own names, each layer's
+scalar (a buffer, `layer_scalar`) as `layer_output_scale`, and the global layers'
+proportional rope as `rope_freqs` (factors 1 on the rotated pairs, 1e30 on the others),
+which the config holds (`_gemma4`); its tokenizer (`gemma4`: a BPE with byte fallback over
+text whose spaces are "▁") is transformers' `GemmaTokenizer` from the file's tokens and
+merges, adding no BOS (its chat template writes it) as transformers' does.
+
 A `granitehybrid` file with rotary positions is Bamba's (the converter writes both so).
 `placements(config)` names, for each parameter, its `Placement`; reading it is
-`engine/model/gguf.py`'s (a permutation of rows, or of columns by whole quantization
-blocks, leaves a quantized weight as stored, for the kernel).
+`engine/model/gguf.py`'s (a permutation of rows or columns leaves a quantized weight as
+stored, for the kernel: its rows read in order, its input gathered in the inverse of the
+column order, as `ssm_out`'s must be in a K-quant file, whose 256-wide super-blocks span
+several value heads).
 
-Mixture-of-experts files (`MOE_ARCHITECTURES`, a `granitehybrid` file with experts) are
-refused by name: another change serves them. Qwen3-Next has experts in every layer
-(llama.cpp's `qwen3next` has no other form): they are read, dequantized, into
+Mixture-of-experts files (`MOE_ARCHITECTURES`, a `granitehybrid` or `gemma4` file with
+experts) are refused by name: another change serves them. Qwen3-Next has experts in every
+layer (llama.cpp's `qwen3next` has no other form): they are read, dequantized, into
 transformers' fused expert parameters. The multi-token-prediction block of a Qwen3.5 or
 Qwen3-Next file (`nextn_predict_layers`: the blocks past the model's layers) is not read;
 pagedserve does not draft with it.
@@ -342,6 +354,25 @@ BAMBA_LAYER = {
     **_below("mamba", MAMBA2),
     **_below("feed_forward", _weights(MLP)),
 }
+GEMMA4_LAYER = {
+    "input_layernorm.weight": Rule("attn_norm.weight"),
+    "post_attention_layernorm.weight": Rule("post_attention_norm.weight"),
+    "pre_feedforward_layernorm.weight": Rule("ffn_norm.weight"),
+    "post_feedforward_layernorm.weight": Rule("post_ffw_norm.weight"),
+    "post_per_layer_input_norm.weight": Rule("post_norm.weight"),
+    "per_layer_input_gate.weight": Rule("inp_gate.weight"),
+    "per_layer_projection.weight": Rule("proj.weight"),
+    "layer_scalar": Rule("layer_output_scale.weight"),  # a buffer, [1]
+    **_below(
+        "self_attn",
+        {
+            **_weights(ATTENTION),
+            "q_norm.weight": Rule("attn_q_norm.weight"),
+            "k_norm.weight": Rule("attn_k_norm.weight"),
+        },
+    ),
+    **_below("mlp", _weights(MLP)),
+}
 # transformers model type -> its parameters' rules.
 RULES: dict[str, dict[str, Rule]] = {
     "qwen3_5_text": _model(
@@ -357,9 +388,17 @@ RULES: dict[str, dict[str, Rule]] = {
     "bamba": _model("embed_tokens", "final_layernorm", BAMBA_LAYER),
     "nemotron_h": _model("embeddings", "norm_f", NEMOTRON_H_LAYER),
     "falcon_h1": _model("embed_tokens", "final_layernorm", FALCON_H1_LAYER),
+    "gemma4_text": {
+        **_model("embed_tokens", "norm", GEMMA4_LAYER),
+        "model.embed_tokens_per_layer.weight": Rule("per_layer_token_embd.weight"),
+        "model.per_layer_model_projection.weight": Rule("per_layer_model_proj.weight"),
+        "model.per_layer_projection_norm.weight": Rule("per_layer_proj_norm.weight"),
+    },
 }
 # Model types whose files may hold a multi-token-prediction block past their layers.
 DRAFT_HEADS = ("qwen3_5_text", "qwen3_next")
+# Llama 3's rotary factors, a tensor: Gemma 4's are its config's proportional rope.
+ROPE_FREQS = "rope_freqs.weight"
 
 
 def placements(config: PretrainedConfig) -> dict[str, tuple[Placement, ...]]:
@@ -375,7 +414,10 @@ def placements(config: PretrainedConfig) -> dict[str, tuple[Placement, ...]]:
 
 def unread(config: PretrainedConfig, name: str) -> bool:
     """Whether the stored tensor `name` is left unread: a block past the model's layers
-    (the multi-token-prediction head of a Qwen3.5 or Qwen3-Next file)."""
+    (the multi-token-prediction head of a Qwen3.5 or Qwen3-Next file), or Gemma 4's
+    `rope_freqs`, which its config holds (`_gemma4`)."""
+    if name == ROPE_FREQS and config.model_type == "gemma4_text":
+        return True
     block = BLOCK.match(name)
     return (
         config.model_type in DRAFT_HEADS
@@ -640,6 +682,94 @@ def _falcon_h1(meta: _Metadata) -> dict[str, Any]:
     }
 
 
+def _gemma4(meta: _Metadata) -> dict[str, Any]:
+    """Gemma 4: sliding and global layers (`sliding_window_pattern`) of their own head
+    sizes (`key_length_swa`, `key_length`) and KV head counts (`head_count_kv`, once or per
+    layer), the last `shared_kv_layers` reading earlier layers' KV, K as V where a global
+    layer that holds KV has no `attn_v`, per-layer inputs (`embedding_length_per_layer_input`
+    wide, from a table of `per_layer_token_embd`'s rows), the shared layers' MLPs twice as
+    wide where `feed_forward_length` says so; the sliding layers' rope over whole heads
+    (`freq_base_swa`), the global layers' proportional (`freq_base`, the rotated share
+    from `rope_freqs`: factors 1, then 1e30 on the pairs left unrotated)."""
+    name = meta.path.name
+    if meta("expert_count", 0) or meta.has("ffn_gate_inp.weight"):
+        raise UnsupportedModelError(
+            f"{name}: GGUF architecture 'gemma4' with experts is {MOE_REFUSAL}"
+        )
+    layers, shared = meta("block_count"), int(meta("attention.shared_kv_layers", 0))
+    kinds = [
+        "sliding_attention" if s else "full_attention"
+        for s in meta("attention.sliding_window_pattern")
+    ]
+    if len(kinds) != layers or kinds[-1] != "full_attention":
+        raise UnsupportedModelError(f"{name}: a Gemma 4 sliding window pattern {kinds} is not read")
+    widths = {
+        kind: (meta(f"attention.key_length{suffix}"), meta(f"attention.value_length{suffix}"))
+        for kind, suffix in (("sliding_attention", "_swa"), ("full_attention", ""))
+    }
+    if any(k != v for k, v in widths.values()):
+        raise UnsupportedModelError(f"{name}: Gemma 4 heads whose K and V differ in size")
+    dims = {kind: k for kind, (k, _) in widths.items()}
+    kv = meta.per_layer("attention.head_count_kv", layers)
+    first = kinds.index("sliding_attention") if "sliding_attention" in kinds else 0
+    base = (dims[kinds[first]], kv[first])  # the config's own; other layers' by index
+    per_layer = {
+        i: {"head_dim": dims[kind], "num_key_value_heads": kv[i]}
+        for i, kind in enumerate(kinds)
+        if (dims[kind], kv[i]) != base
+    }
+    owners = [i for i, kind in enumerate(kinds[: layers - shared]) if kind == "full_attention"]
+    ff = meta.per_layer("feed_forward_length", layers)
+    double = [ff[0] * (2 if i >= layers - shared else 1) for i in range(layers)]
+    if ff != [ff[0]] * layers and ff != double:
+        raise UnsupportedModelError(f"{name}: Gemma 4 feed-forward widths {ff} are not read")
+    table = meta.shapes.get("per_layer_token_embd.weight")
+    return {
+        "layer_types": kinds,
+        "head_dim": base[0],
+        "num_key_value_heads": base[1],
+        "per_layer_config": per_layer,
+        "attention_k_eq_v": any(f"blk.{i}.attn_v.weight" not in meta.shapes for i in owners),
+        "num_kv_shared_layers": shared,
+        "sliding_window": meta("attention.sliding_window"),
+        "intermediate_size": ff[0],
+        "use_double_wide_mlp": ff != [ff[0]] * layers,
+        "hidden_size_per_layer_input": int(meta("embedding_length_per_layer_input", 0)),
+        "vocab_size_per_layer_input": table[0] if table else meta.shapes["token_embd.weight"][0],
+        "rms_norm_eps": meta("attention.layer_norm_rms_epsilon"),
+        "final_logit_softcapping": meta.optional("gemma4.final_logit_softcapping"),
+        "rope_parameters": _gemma4_rope(meta, dims),
+    }
+
+
+def _gemma4_rope(meta: _Metadata, dims: dict[str, int]) -> dict[str, dict[str, Any]]:
+    """Gemma 4's rope by layer type (see `_gemma4`); any other is refused."""
+    name, full = meta.path.name, dims["full_attention"]
+    scaling = meta("rope.scaling.type", "none")
+    rotated = (meta("rope.dimension_count", full), meta("rope.dimension_count_swa", 0))
+    if scaling != "none" or rotated != (full, dims["sliding_attention"]):
+        raise UnsupportedModelError(
+            f"{name}: Gemma 4 rope (scaling '{scaling}', rotating {rotated[0]} of {full} and "
+            f"{rotated[1]} of {dims['sliding_attention']}) is not read"
+        )
+    stored = next((t for t in meta.reader.tensors if t.name == ROPE_FREQS), None)
+    factors = np.ones(full // 2) if stored is None else np.asarray(stored.data, np.float64)
+    pairs = int(np.count_nonzero(factors == 1))
+    if len(factors) != full // 2 or not np.all(factors[pairs:] == np.float32(1e30)):
+        raise UnsupportedModelError(f"{name}: Gemma 4's '{ROPE_FREQS}' is not proportional rope")
+    return {
+        "full_attention": {
+            "rope_type": "proportional",
+            "partial_rotary_factor": 2 * pairs / full,
+            "rope_theta": float(meta("rope.freq_base")),
+        },
+        "sliding_attention": {
+            "rope_type": "default",
+            "rope_theta": float(meta("rope.freq_base_swa")),
+        },
+    }
+
+
 FALCON_H1_MULTIPLIERS = (
     "embedding_multiplier",
     "lm_head_multiplier",
@@ -657,6 +787,7 @@ CONFIGS: dict[str, Callable[[_Metadata], dict[str, Any]]] = {
     "granitehybrid": _granite,
     "nemotron_h": lambda meta: {"model_type": "nemotron_h", **_nemotron_h(meta)},
     "falcon-h1": lambda meta: {"model_type": "falcon_h1", **_falcon_h1(meta)},
+    "gemma4": lambda meta: {"model_type": "gemma4_text", **_gemma4(meta)},
 }
 HYBRID_ARCHITECTURES = tuple(CONFIGS)
 # transformers model type -> its causal LM's class.
@@ -668,6 +799,7 @@ CAUSAL_LM = {
     "bamba": "BambaForCausalLM",
     "nemotron_h": "NemotronHForCausalLM",
     "falcon_h1": "FalconH1ForCausalLM",
+    "gemma4_text": "Gemma4ForCausalLM",
 }
 
 

@@ -13,19 +13,29 @@ names and types, and its transforms, written here forward, as the converter writ
   `ssm_d` as `[heads, 1]`, conv1d squeezed, the norm as `[groups, width / groups]`;
   Granite's, Bamba's and Nemotron-H's q and k rows permuted as a Llama's; Granite's shared
   MLP `input_linear` split into `ffn_gate` and `ffn_up`;
-- Falcon-H1: every multiplier multiplied into the weight it scales, none in the metadata.
+- Falcon-H1: every multiplier multiplied into the weight it scales, none in the metadata;
+- Gemma 4 (`gemma4`, not a hybrid, read by the same tables): stored as it is (no norm
+  shifted), its per-layer shapes and sharing in the metadata (`head_count_kv` per layer
+  where the global layers have their own count, `sliding_window_pattern`, the `_swa`
+  head sizes, `shared_kv_layers`, `embedding_length_per_layer_input`), the global layers'
+  proportional rope as `rope_freqs` (factors 1 on the rotated pairs, 1e30 on the others),
+  the tokenizer as `gemma4` (`gemma_tokenizer`'s BPE with byte fallback: its merges, every
+  score -1000, byte tokens typed BYTE); llama-quantize keeps `per_layer_model_proj` and a
+  matrix whose rows are no whole blocks (`proj`, 16 columns in the tiny model) in F16.
 
 Vectors, norms, `ssm_a`/`ssm_d`, convolutions and routers are F32, the other matrices
 `ggml_type` (F16, F32, or a block type quantized by gguf's own code, with the leading
-dimensions of 1 dropped as llama-quantize writes them; random blocks of a K type, which
-gguf's code does not quantize).
+dimensions of 1 dropped as llama-quantize writes them; Q4_K, which gguf's code does not
+quantize, by `q4_k_blocks`; random blocks of the other K types).
 
 Checked against llama.cpp's converter (convert_hf_to_gguf.py, llama-cpp-python 0.3.36's
 tree) on the folders tests/engine/model/test_gguf_hybrid.py builds (Qwen3.5, tied or not,
 with and without its draft head; Qwen3-Next; LFM2; Granite 4.0-H dense and with experts;
-Bamba; Nemotron-H; Falcon-H1): the same metadata (but `general.name`, `size_label`,
-`file_type`), tensor names, shapes and types, and the same bytes in F32 and F16 (Q8_0:
-llama-quantize's names, shapes and types). The converter needs a tokenizer it knows
+Bamba; Nemotron-H; Falcon-H1) and test_gguf_gemma4.py's (Gemma 4 with two KV shapes,
+shared KV, K as V and per-layer inputs; tied with a softcap; without any of those): the
+same metadata (but `general.name`, `size_label`, `file_type`), tensor names, shapes and
+types, and the same bytes in F32 and F16 (Q8_0: llama-quantize's names, shapes and
+types). The converter needs a tokenizer it knows
 (its `get_vocab_base_pre` was answered with the names above) and, for Granite 4.0-H and
 Nemotron-H, the layer names of the checkpoints' own config.json ("mamba", "attention";
 `hybrid_override_pattern`): transformers 5 writes others, which the converter misreads.
@@ -33,16 +43,28 @@ Nemotron-H, the layer names of the checkpoints' own config.json ("mamba", "atten
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import quantize
-from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from tokenizers import Tokenizer, models, normalizers, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GemmaTokenizer,
+    PretrainedConfig,
+    PreTrainedTokenizerBase,
+)
 
+from tests.support.architectures import build
 from tests.support.gguf_files import _add_tokenizer, random_blocks
+from tests.support.tiny_models import _CORPUS
 
 # transformers model type -> (GGUF architecture, `tokenizer.ggml.pre` as the converter
 # names the real model's).
@@ -54,10 +76,13 @@ ARCHITECTURES = {
     "bamba": ("granitehybrid", "default"),
     "nemotron_h": ("nemotron_h", "default"),
     "falcon_h1": ("falcon-h1", "falcon-h1"),
+    "gemma4_text": ("gemma4", None),  # its tokenizer has no `tokenizer.ggml.pre`
 }
 # Stored in F32 whatever the file's type (with vectors and names not ending ".weight").
 F32_LEAVES = ("ffn_gate_inp", "ffn_gate_inp_shexp", "ssm_conv1d", "shortconv.conv")
 NOPE_CONTEXT = 2**20  # the context length the converter writes for a Mamba-2 model
+# Kept in F16 by llama-quantize in a file of a block type.
+F16_KEPT = ("per_layer_model_proj.weight",)
 
 
 def write_hybrid_gguf(
@@ -86,7 +111,11 @@ def write_hybrid_gguf(
     writer.add_type("model")
     writer.add_name(path.stem)
     METADATA[config.model_type](writer, config, int(draft_head))
-    _add_tokenizer(writer, AutoTokenizer.from_pretrained(folder), pre)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if architecture == "gemma4":
+        _add_gemma_tokenizer(writer, tokenizer)
+    else:
+        _add_tokenizer(writer, tokenizer, pre)
     tensors = dict(TENSORS[config.model_type](weights, config))
     if legacy:
         tensors = _unsplit_qkvz(tensors, weights, config)
@@ -114,6 +143,10 @@ def _add(writer: GGUFWriter, name: str, value: np.ndarray, ggml_type: str, squee
         or leaf in F32_LEAVES
     )
     kind = "F32" if f32 or ggml_type == "F32" else ggml_type
+    if kind not in ("F32", "F16") and (
+        name in F16_KEPT or value.shape[-1] % GGML_QUANT_SIZES[GGMLQuantizationType[kind]][0]
+    ):
+        kind = "F16"  # as llama-quantize keeps or falls back
     value = value.astype(np.float32)
     while squeeze and value.ndim > 1 and value.shape[0] == 1:
         value = value[0]
@@ -124,10 +157,38 @@ def _add(writer: GGUFWriter, name: str, value: np.ndarray, ggml_type: str, squee
     else:
         qtype = GGMLQuantizationType[kind]
         try:
-            blocks = quantize(value, qtype)
-        except NotImplementedError:  # a K type: gguf's code only reads them
+            blocks = q4_k_blocks(value) if kind == "Q4_K" else quantize(value, qtype)
+        except NotImplementedError:  # another K type: gguf's code only reads them
             blocks = random_blocks(kind, *value.shape, np.random.default_rng(0))
         writer.add_tensor(name, blocks, raw_dtype=qtype)
+
+
+def q4_k_blocks(values: np.ndarray) -> np.ndarray:
+    """`values [rows, columns]` (columns a multiple of 256) as Q4_K blocks `[rows, columns /
+    256 * 144]`, laid out as llama.cpp's `quantize_row_q4_K_ref` lays them (fp16 `d` and
+    `dmin`, 12 bytes of 6-bit scales and minimums per 32, then the nibbles), each 32's
+    scale and minimum taken from its range rather than by llama.cpp's search; gguf's
+    `dequantize` reads them back within about half a step."""
+    rows = values.shape[0]
+    x = values.astype(np.float32).reshape(-1, 8, 32)  # super-blocks of 8 sub-blocks
+    low = np.minimum(x.min(axis=-1), 0)
+    scales, mins = (x.max(axis=-1) - low) / 15, -low
+    largest_scale, largest_min = scales.max(axis=-1), mins.max(axis=-1)
+    ls = np.round(63 * scales / np.where(largest_scale > 0, largest_scale, 1)[:, None])
+    lm = np.round(63 * mins / np.where(largest_min > 0, largest_min, 1)[:, None])
+    ls, lm = ls.astype(np.uint8), lm.astype(np.uint8)
+    d, dmin = (largest_scale / 63).astype(np.float16), (largest_min / 63).astype(np.float16)
+    packed = np.zeros((len(x), 12), np.uint8)  # ggml's get_scale_min_k4, inverted
+    packed[:, :4] = ls[:, :4] | ((ls[:, 4:] >> 4) << 6)
+    packed[:, 4:8] = lm[:, :4] | ((lm[:, 4:] >> 4) << 6)
+    packed[:, 8:] = (ls[:, 4:] & 0xF) | ((lm[:, 4:] & 0xF) << 4)
+    step = d.astype(np.float32)[:, None, None] * ls[..., None]
+    offset = dmin.astype(np.float32)[:, None, None] * lm[..., None]
+    q = np.round((x + offset) / np.where(step > 0, step, 1)) * (step > 0)
+    q = np.clip(q, 0, 15).astype(np.uint8).reshape(-1, 4, 2, 32)
+    nibbles = (q[:, :, 0] | (q[:, :, 1] << 4)).reshape(-1, 128)  # sub-blocks 2p, 2p + 1
+    halves = [d[:, None].view(np.uint8), dmin[:, None].view(np.uint8)]
+    return np.concatenate([*halves, packed, nibbles], axis=1).reshape(rows, -1)
 
 
 # Metadata, as each converter class writes it.
@@ -281,6 +342,40 @@ def _falcon_h1_metadata(writer: GGUFWriter, config: PretrainedConfig, draft: int
     writer.add_rope_freq_base(config.rope_parameters["rope_theta"])
 
 
+def _gemma4_metadata(writer: GGUFWriter, config: PretrainedConfig, draft: int) -> None:
+    """Gemma4Model.set_gguf_parameters (over Gemma3Model's): per-layer KV head counts where
+    the global layers have their own (`per_layer_config`), the MLP's width per layer where
+    the shared layers' is doubled."""
+    kinds = config.layer_types
+    overrides = config.to_dict().get("per_layer_config") or {}
+    full = [int(i) for i, fields in overrides.items() if "num_key_value_heads" in fields]
+    kv = [config.per_layer_config[i].num_key_value_heads for i in range(len(kinds))]
+    layers, shared = config.num_hidden_layers, config.num_kv_shared_layers
+    ff = config.intermediate_size
+    widths = [ff * (2 if i >= layers - shared else 1) for i in range(layers)]
+    _shape(writer, config, config.max_position_embeddings,
+           widths if config.use_double_wide_mlp else ff,
+           kv if full else config.num_key_value_heads)  # fmt: skip
+    rope = config.rope_parameters
+    writer.add_rope_freq_base(rope["full_attention"]["rope_theta"])
+    writer.add_rope_freq_base_swa(rope["sliding_attention"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    head = {kind: config.per_layer_config[kinds.index(kind)].head_dim for kind in set(kinds)}
+    writer.add_key_length(head["full_attention"])
+    writer.add_value_length(head["full_attention"])
+    if config.final_logit_softcapping:
+        writer.add_final_logit_softcapping(config.final_logit_softcapping)
+    writer.add_sliding_window(config.sliding_window)
+    writer.add_shared_kv_layers(shared)
+    writer.add_embedding_length_per_layer_input(config.hidden_size_per_layer_input or 0)
+    writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in kinds])
+    writer.add_key_length_swa(head["sliding_attention"])
+    writer.add_value_length_swa(head["sliding_attention"])
+    writer.add_rope_dimension_count(head["full_attention"])
+    swa_rotated = rope["sliding_attention"].get("partial_rotary_factor", 1.0)
+    writer.add_rope_dimension_count_swa(int(head["sliding_attention"] * swa_rotated))
+
+
 METADATA: dict[str, Callable[..., None]] = {
     "qwen3_5_text": _qwen35_metadata,
     "qwen3_next": _qwen3_next_metadata,
@@ -289,6 +384,7 @@ METADATA: dict[str, Callable[..., None]] = {
     "bamba": _granite_metadata,
     "nemotron_h": _nemotron_h_metadata,
     "falcon_h1": _falcon_h1_metadata,
+    "gemma4_text": _gemma4_metadata,
 }
 
 
@@ -501,6 +597,34 @@ def _falcon_h1_tensors(weights: dict, config: PretrainedConfig) -> Iterator[tupl
         yield stored.removesuffix(".weight") if "ffn_norm" in stored else stored, value
 
 
+GEMMA4_TOP = {
+    "embed_tokens_per_layer": "per_layer_token_embd",
+    "per_layer_model_projection": "per_layer_model_proj",
+    "per_layer_projection_norm": "per_layer_proj_norm",
+}
+GEMMA4_LAYER = {
+    "post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+    "post_feedforward_layernorm": "post_ffw_norm", "post_per_layer_input_norm": "post_norm",
+    "per_layer_input_gate": "inp_gate", "per_layer_projection": "proj",
+    "layer_scalar": "layer_output_scale.weight",
+}  # fmt: skip
+
+
+def _gemma4_tensors(weights: dict, config: PretrainedConfig) -> Iterator[tuple[str, np.ndarray]]:
+    """Gemma4Model's tensors: `rope_freqs` (generate_extra_tensors), then every weight as it
+    is (Gemma4Model.norm_shift is 0)."""
+    head_dim = config.per_layer_config[config.layer_types.index("full_attention")].head_dim
+    rotated = int(head_dim * config.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    factors = [1.0] * rotated + [1e30] * (head_dim // 2 - rotated)
+    yield "rope_freqs.weight", np.array(factors, dtype=np.float32)
+    for name, value in weights.items():
+        base, _, suffix = name.rpartition(".")
+        if base.removeprefix("model.") in GEMMA4_TOP:
+            yield f"{GEMMA4_TOP[base.removeprefix('model.')]}.{suffix}", value
+        else:
+            yield _named(name, GEMMA4_LAYER), value
+
+
 TENSORS: dict[str, Callable[[dict, PretrainedConfig], Iterator[tuple[str, np.ndarray]]]] = {
     "qwen3_5_text": lambda weights, config: _qwen_tensors(weights, config, tiled=True),
     "qwen3_next": lambda weights, config: _qwen_tensors(weights, config, tiled=False),
@@ -509,7 +633,94 @@ TENSORS: dict[str, Callable[[dict, PretrainedConfig], Iterator[tuple[str, np.nda
     "bamba": _granite_tensors,
     "nemotron_h": _nemotron_h_tensors,
     "falcon_h1": _falcon_h1_tensors,
+    "gemma4_text": _gemma4_tensors,
 }
+
+
+# Gemma's tokenizer: a BPE with byte fallback over text whose spaces are "▁".
+
+GEMMA_SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<|turn>", "<turn|>"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|turn>{{ message['role'] }}\n"
+    "{{ message['content'] }}<turn|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|turn>model\n{% endif %}"
+)
+
+
+def build_gemma4(folder: Path, fields: dict) -> Path:
+    """A tiny Gemma 4 (`tests.support.architectures.build` of `fields`) with `gemma_tokenizer`
+    and weights that tell its parts apart: every norm's weight drawn around 1 and each
+    layer's scalar its own (they are made all 1)."""
+    build(folder, "gemma4_text", fields)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.2 * torch.randn(tensor.shape, generator=generator))
+            elif name.endswith("layer_scalar"):
+                tensor.fill_(0.5 + torch.rand(1, generator=generator).item())
+    model.save_pretrained(folder)
+    gemma_tokenizer(folder, model.config.vocab_size)
+    return folder
+
+
+def gemma_tokenizer(folder: Path, vocab_size: int = 384) -> GemmaTokenizer:
+    """Give `folder` (a tiny model's, its vocabulary `vocab_size`) a tokenizer as Gemma 4's
+    is made, which llama.cpp's converter takes (its `LlamaHfVocab`): transformers'
+    `GemmaTokenizer`, its vocabulary the special tokens, the 256 byte tokens (`<0x00>`...)
+    and pieces learned as a BPE over the tiny corpus, adding no BOS (the chat template
+    writes it); the config's token ids set to its own."""
+    learner = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    learner.normalizer = normalizers.Replace(" ", "▁")
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - 256, special_tokens=GEMMA_SPECIAL_TOKENS, show_progress=False
+    )
+    learner.train_from_iterator(_CORPUS, trainer=trainer)
+    learned = json.loads(learner.to_str())["model"]
+    pieces = sorted(learned["vocab"], key=learned["vocab"].get)[len(GEMMA_SPECIAL_TOKENS) :]
+    bytes_ = [f"<0x{byte:02X}>" for byte in range(256)]
+    vocab = {token: i for i, token in enumerate([*GEMMA_SPECIAL_TOKENS, *bytes_, *pieces])}
+    tokenizer = GemmaTokenizer(
+        vocab=vocab, merges=[tuple(merge) for merge in learned["merges"]], add_bos_token=False,
+        extra_special_tokens=GEMMA_SPECIAL_TOKENS[5:], chat_template=GEMMA_CHAT_TEMPLATE,
+    )  # fmt: skip
+    tokenizer.save_pretrained(folder)
+    ids = {
+        f"{kind}_token_id": getattr(tokenizer, f"{kind}_token_id") for kind in ("bos", "eos", "pad")
+    }
+    for name in ("config.json", "generation_config.json"):
+        path = folder / name
+        path.write_text(json.dumps({**json.loads(path.read_text()), **ids}, indent=2) + "\n")
+    return tokenizer
+
+
+def _add_gemma_tokenizer(writer: GGUFWriter, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Gemma4Model.set_vocab: `LlamaHfVocab`'s tokens (every score -1000; byte tokens BYTE,
+    special ones CONTROL), the merges and special ids (`SpecialVocab`), BOS added."""
+    vocab = tokenizer.get_vocab()
+    tokens = sorted(vocab, key=vocab.get)
+    special = set(tokenizer.all_special_tokens)
+    writer.add_tokenizer_model("gemma4")
+    writer.add_token_list(tokens)
+    writer.add_token_scores([-1000.0] * len(tokens))
+    writer.add_token_types(
+        [
+            TokenType.BYTE if re.fullmatch(r"<0x[0-9A-F]{2}>", token)
+            else TokenType.CONTROL if token in special else TokenType.NORMAL
+            for token in tokens
+        ]
+    )  # fmt: skip
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(merge) for merge in merges])
+    writer.add_bos_token_id(tokenizer.bos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    writer.add_unk_token_id(tokenizer.unk_token_id)
+    writer.add_pad_token_id(tokenizer.pad_token_id)
+    writer.add_mask_token_id(tokenizer.mask_token_id)
+    writer.add_add_bos_token(True)
+    writer.add_chat_template(tokenizer.chat_template)
+    writer.add_add_space_prefix(False)
 
 
 def _unsplit_qkvz(tensors: dict, weights: dict, config: PretrainedConfig) -> dict:

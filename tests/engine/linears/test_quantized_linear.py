@@ -154,6 +154,48 @@ def test_the_layer_switches_to_the_dense_path_above_its_row_threshold():
         torch.testing.assert_close(layer.kernel(large), layer.dense(large), rtol=0.05, atol=0.05)
 
 
+def test_an_input_order_computes_the_weight_whose_columns_the_codes_hold_permuted():
+    """A weight whose codes hold its columns in another order (a GGUF's K-quant blocks as
+    stored: Qwen3.5's out_proj) with the inverse as the layer's input order: the kernel
+    over the gathered input, bit for bit, each row alone as in a batch; `rows` gives the
+    weight in the input's order; the dense path above a threshold computes it too; and a
+    compiled graph reads the order as a tensor (a changed order changes its output) while
+    the layer's repr, which a compiled forward's key hashes, names it."""
+    dtype = DTYPES[0]
+    linear = random_linear(256, 48, dtype, bias=True)
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    weight = linear.weight.detach()
+    packed = group_linear.pack(*group_linear.quantize(weight[:, order], 8), 8)
+    layer = QuantizedLinear(packed, linear.bias, None, dtype, order)
+    x = torch.randn(2, 5, 256).to(dtype)
+    with torch.inference_mode():
+        out = layer(x)
+        assert torch.equal(out, layer.kernel(x[..., order]))
+        assert all(torch.equal(layer(x[:, i : i + 1]), out[:, i : i + 1]) for i in range(5))
+        unordered = QuantizedLinear(packed, linear.bias, None, dtype)
+        assert not torch.equal(out, unordered(x))
+        thresholded = QuantizedLinear(packed, linear.bias, 2, dtype, order)
+        dense = thresholded(x.reshape(10, 256)).reshape(out.shape)
+    rows = layer.rows(torch.arange(48))
+    assert torch.equal(rows, group_linear.unpack(packed)[:, order.argsort()])
+    torch.testing.assert_close(rows, weight.float(), rtol=0, atol=2e-3)
+    expected = (x.float() @ weight.float().T + linear.bias.float()).to(dtype)
+    torch.testing.assert_close(out, expected, rtol=0.05, atol=0.05)
+    torch.testing.assert_close(dense, out, rtol=0.05, atol=0.05)
+    with pytest.raises(ValueError, match="permutation"):
+        QuantizedLinear(packed, None, None, dtype, torch.zeros(256, dtype=torch.int64))
+
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, options={"cpp_wrapper": True})
+    before = repr(layer)
+    with torch.inference_mode():
+        assert torch.equal(compiled(x), out)
+    layer.order.copy_(order.flip(0))
+    assert repr(layer) != before
+    with torch.inference_mode():
+        changed = layer(x)
+        assert not torch.equal(changed, out) and torch.equal(compiled(x), changed)
+
+
 def test_linears_whose_inputs_are_not_whole_groups_stay_as_they_are():
     model = nn.Sequential(nn.Linear(64, 24), nn.Linear(24, 7))
     assert quantize_linear_layers(model, "int8", None) == 1

@@ -1,7 +1,8 @@
 """Hybrid models' GGUFs (Qwen3.5, Qwen3-Next, LFM2, Granite 4.0-H, Bamba, Nemotron-H,
 Falcon-H1) as llama.cpp's converter writes them: each loads to the very tensors of the
 folder it was converted from, generates its greedy tokens, and in Q8_0 computes its
-linears as stored; mixture-of-experts files are refused by name.
+linears as stored (Qwen3.5's out_proj in Q4_K too, its input reordered); mixture-of-experts
+files are refused by name.
 
 The files are written by tests/support/gguf_hybrid_files.py, whose output was checked
 against the converter's own for the same folders (metadata, tensor names, shapes, types
@@ -15,12 +16,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf.quants import dequantize
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
 from engine import LLM, SamplingParams
 from engine.errors import UnsupportedModelError
+from engine.linears import gguf_store
 from engine.linears.packed_linear import PackedLinear
 from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
 from engine.model import loader
@@ -54,7 +57,8 @@ FOLDERS = {
     "bamba": HYBRID["bamba"],
     "nemotron_h": HYBRID["nemotron_h"],
     "falcon_h1": ("falcon_h1", FALCON_H1),
-    # Value heads of 64: out_proj's 256 columns are one Q4_K super-block.
+    # Value heads of 64: out_proj's 256 columns (4 value heads over 2 key heads, stored
+    # tiled) are one Q4_K super-block.
     "qwen3_5-wide": ("qwen3_5_text", {**HYBRID["qwen3_5"][1], "linear_value_head_dim": 64}),
     "granite-moe": ("granitemoehybrid", {**GRANITE, "num_local_experts": 4}),
 }
@@ -83,6 +87,11 @@ def served(path: Path, **settings) -> LLM:
 def greedy(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
+
+
+def matrix(layer: QuantizedLinear) -> torch.Tensor:
+    """A quantized layer's weight as the model's parameter (its columns in input order)."""
+    return layer.rows(torch.arange(layer.out_features))
 
 
 def dense(path: Path) -> dict[str, torch.Tensor]:
@@ -172,10 +181,10 @@ def test_a_q8_0_file_computes_every_linear_in_its_own_blocks(
     tmp_path: Path, cache: Path, folders: dict[str, Path], name: str
 ):
     """Joined (Qwen3-Next's qkvz, Granite's shared MLP), row-permuted (Qwen3.5's value
-    heads, Granite's q and k) and column-permuted by whole blocks (Qwen3.5's out_proj)
-    weights alike: each linear a kernel's, over exactly the weights gguf dequantizes (and
-    LFM2's head its embedding's table); the other parameters (Qwen3-Next's experts
-    among them) dequantized."""
+    heads, Granite's q and k) and column-permuted (Qwen3.5's out_proj, its input
+    reordered) weights alike: each linear a kernel's, over exactly the weights gguf
+    dequantizes (and LFM2's head its embedding's table); the other parameters
+    (Qwen3-Next's experts among them) dequantized."""
     path = write_hybrid_gguf(folders[name], tmp_path / f"{name}-q8.gguf", "Q8_0")
     llm = served(path, enforce_eager=True)
     assert llm.engine.quantization == "gguf"
@@ -187,8 +196,9 @@ def test_a_q8_0_file_computes_every_linear_in_its_own_blocks(
     # All but Qwen3-Next's shared expert gate, which the converter stores in F32.
     assert all(n.endswith("shared_expert_gate") for n in set(linears) - quantized)
     for module in quantized - {"model.embed_tokens.table"}:
-        weight = group_linear.unpack(linears[module].weight)
-        assert torch.equal(weight, expected[f"{module}.weight"]), module
+        assert torch.equal(matrix(linears[module]), expected[f"{module}.weight"]), module
+        reordered = name == "qwen3_5" and module.endswith("linear_attn.out_proj")
+        assert (linears[module].order is not None) == reordered, module
     for key, parameter in model.named_parameters():  # norms, convolutions, experts...
         if key in expected:
             assert torch.equal(parameter, expected[key]), key
@@ -198,27 +208,61 @@ def test_a_q8_0_file_computes_every_linear_in_its_own_blocks(
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 2
 
 
+def test_a_k_quant_out_proj_keeps_its_blocks_and_reorders_its_input(
+    tmp_path: Path, cache: Path, folders: dict[str, Path]
+):
+    """Qwen3.5's out_proj in Q4_K, its value heads (64 columns each, 4 over 2 key heads)
+    stored tiled within one 256-wide super-block, which no order of whole blocks puts
+    back: a kernel's layer over the file's own blocks as stored, its input gathered in the
+    inverse of the column order (kept through the conversion's cache), computing the
+    weight gguf dequantizes in transformers' layout; greedy tokens those of `generate()`
+    in fp32 with that weight."""
+    path = write_hybrid_gguf(
+        folders["qwen3_5-wide"], tmp_path / "wide.gguf", "F32",
+        types={"blk.0.ssm_out.weight": "Q4_K"},
+    )  # fmt: skip
+    name = "model.layers.0.linear_attn.out_proj"
+    stored = next(t for t in GGUFReader(path).tensors if t.name == "blk.0.ssm_out.weight")
+    weight = dense(path)[f"{name}.weight"]
+    twin = AutoModelForCausalLM.from_pretrained(folders["qwen3_5-wide"], dtype=torch.float32)
+    twin.get_submodule(name).weight.data.copy_(weight)
+    twin.save_pretrained(tmp_path / "twin")
+    expected = reference(tmp_path / "twin", BATCH, MAX_TOKENS)
+    blocks = torch.from_numpy(dequantize(stored.data, GGMLQuantizationType.Q4_K))
+    for start in ("converting", "mapping the converted file"):
+        llm = served(path, enforce_eager=True)
+        layer = llm.engine.model.get_submodule(name)
+        assert isinstance(layer, QuantizedLinear), start
+        assert layer.weight.scheme == group_linear.SUPER_MIN and layer.bits == 4
+        assert torch.equal(group_linear.unpack(layer.weight), blocks), start
+        assert not torch.equal(layer.order, torch.arange(256)), start
+        assert torch.equal(matrix(layer), weight), start
+        assert greedy(llm, BATCH) == expected, start
+        x = torch.randn(3, 256)
+        with torch.inference_mode():
+            error = (layer(x) - x @ weight.T).abs().max()
+        assert error < 0.02 * (x @ weight.T).abs().max(), start
+        del llm
+    (converted,) = (cache / "quantized").glob(f"*/{gguf_store.WEIGHTS_FILE}")
+    tensors, _, _ = gguf_store.map_tensors(converted)
+    assert torch.equal(tensors[f"{name}.weight.order"].long(), layer.order)
+
+
 def test_weights_the_kernel_cannot_take_as_stored_are_served_dequantized(
     tmp_path: Path, cache: Path, folders: dict[str, Path]
 ):
-    """Qwen3.5's out_proj whose value heads (64 columns each) do not fill its Q4_K
-    super-blocks, and Qwen3-Next's qkvz joined from two types: the dequantized weights."""
-    wide = write_hybrid_gguf(
-        folders["qwen3_5-wide"], tmp_path / "wide.gguf", "Q8_0",
-        types={"blk.0.ssm_out.weight": "Q4_K"},
-    )  # fmt: skip
-    mixed = write_hybrid_gguf(
+    """Qwen3-Next's qkvz joined from two types: the dequantized weights."""
+    path = write_hybrid_gguf(
         folders["qwen3_next"], tmp_path / "mixed.gguf", "Q8_0",
         types={"blk.0.attn_gate.weight": "Q4_0"},
     )  # fmt: skip
-    for path, module in ((wide, "out_proj"), (mixed, "in_proj_qkvz")):
-        model = served(path, enforce_eager=True).engine.model
-        layer = model.get_submodule(f"model.layers.0.linear_attn.{module}")
-        assert not isinstance(layer, QuantizedLinear)
-        weight = dense(path)[f"model.layers.0.linear_attn.{module}.weight"]
-        with torch.inference_mode():  # the engine's own (packed) fp32 linear, as a matrix
-            computed = layer(torch.eye(weight.shape[1])).T
-        torch.testing.assert_close(computed, weight, rtol=1e-6, atol=1e-7)
+    model = served(path, enforce_eager=True).engine.model
+    layer = model.get_submodule("model.layers.0.linear_attn.in_proj_qkvz")
+    assert not isinstance(layer, QuantizedLinear)
+    weight = dense(path)["model.layers.0.linear_attn.in_proj_qkvz.weight"]
+    with torch.inference_mode():  # the engine's own (packed) fp32 linear, as a matrix
+        computed = layer(torch.eye(weight.shape[1])).T
+    torch.testing.assert_close(computed, weight, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("architecture", ["qwen35moe", "lfm2moe", "nemotron_h_moe"])
