@@ -146,7 +146,11 @@ void check_state(const torch::Tensor& state, int64_t layer, const Slots& s, int6
 template <typename F>
 void parallel_items(int64_t n, const F& f) {
   const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
-#pragma omp parallel for schedule(dynamic) num_threads(std::max(threads, 1))
+  if (threads <= 1) {  // no parallel region to enter (a decode step's convolution)
+    for (int64_t item = 0; item < n; ++item) f(item);
+    return;
+  }
+#pragma omp parallel for schedule(dynamic) num_threads(threads)
   for (int64_t item = 0; item < n; ++item) f(item);
 }
 
@@ -203,11 +207,16 @@ template <int W, typename T>
 void conv_all(const torch::Tensor& x, const float* weight, const float* bias, float* conv_layer,
               float* out, int64_t K, int64_t slot_stride, const Slots& s) {
   const int64_t C = x.size(1), taps = K - 1, B = s.num_seqs();
-  std::vector<float> windows(std::max<int64_t>(B * taps * C, 1), 0.f);
-  for (int64_t b = 0; b < B; ++b)
+  // Kept from call to call: a fresh one would fault its pages in at every call.
+  thread_local std::vector<float> windows;
+  windows.resize(std::max<int64_t>(B * taps * C, 1));
+  for (int64_t b = 0; b < B; ++b) {
+    float* window = windows.data() + b * taps * C;
     if (s.sources[b] >= 0)
-      std::memcpy(windows.data() + b * taps * C, conv_layer + s.sources[b] * slot_stride,
-                  taps * C * sizeof(float));
+      std::memcpy(window, conv_layer + s.sources[b] * slot_stride, taps * C * sizeof(float));
+    else
+      std::fill(window, window + taps * C, 0.f);
+  }
   const ConvInputs<W, T> in{x.data_ptr<T>(), windows.data(), C, taps};
   std::vector<std::pair<int64_t, int64_t>> items;  // (sequence, first row of the item)
   for (int64_t b = 0; b < B; ++b)
