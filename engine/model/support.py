@@ -18,6 +18,7 @@ decides.
 
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field
 
@@ -159,6 +160,11 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
     serving = model.config._attn_implementation
     model.config._attn_implementation = PROBE_IMPLEMENTATION
     device = next(model.parameters()).device
+    # The recurrent layers' own forwards run here, for one token, before pagedserve's
+    # replace them: transformers' note that they fall back to slow torch code is not news.
+    kernels_log = logging.getLogger("transformers.integrations.hub_kernels")
+    level = kernels_log.level
+    kernels_log.setLevel(logging.ERROR)
     try:
         with torch.inference_mode():
             token = torch.zeros(1, 1, dtype=torch.long, device=device)
@@ -167,6 +173,7 @@ def probe_attention(model: PreTrainedModel) -> KVLayout:
         raise UnsupportedModelError(f"{name}: {exc}") from None
     finally:
         model.config._attn_implementation = serving
+        kernels_log.setLevel(level)
     return _layout(name, model, calls)
 
 
