@@ -14,6 +14,7 @@ from __future__ import annotations
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import sentencepiece as spm
@@ -39,6 +40,8 @@ from transformers import (
     XLMRobertaModel,
 )
 
+from engine import LLM
+from engine.model import loader
 from engine.model.gguf_encoder import write_pooling_modules
 from tests.support.tiny_models import CHAT_TEMPLATE, SPECIAL_TOKENS, build_tokenizer
 
@@ -61,6 +64,18 @@ MINIMUM = {
     "Q5_K": (2, 15.5),
     "Q2_K": (82, 1.5),
 }
+
+
+def served(path: Path, **settings: Any) -> LLM:
+    """`path` served in fp32 with a small KV cache, `settings` over those."""
+    base = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256}
+    return LLM(str(path), **(base | settings))
+
+
+def dense(path: Path) -> dict[str, torch.Tensor]:
+    """The file's parameters as the loader reads them without the kernel (dequantized)."""
+    cpu = torch.device("cpu")
+    return loader.load_model(str(path), dtype=torch.float32, device=cpu).model.state_dict()
 
 
 def random_blocks(ggml_type: str, rows: int, columns: int, rng: np.random.Generator) -> np.ndarray:

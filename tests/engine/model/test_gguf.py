@@ -30,7 +30,7 @@ from engine.linears.quantized_embedding import QuantizedEmbedding
 from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
 from engine.model import loader
 from engine.model.kernels import group_linear
-from tests.support.gguf_files import KERNEL_TYPES, random_blocks, write_gguf
+from tests.support.gguf_files import KERNEL_TYPES, random_blocks, served, write_gguf
 
 CPU = torch.device("cpu")
 ROOT = Path(__file__).resolve().parents[3]
@@ -39,11 +39,6 @@ pytestmark = pytest.mark.skipif(
     reason="the C++ kernel cannot be built here",
 )
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11], [200, 100, 50, 25], list(range(40, 70))]
-
-
-def served(path: Path, **settings) -> LLM:
-    base = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256}
-    return LLM(str(path), **(base | settings))
 
 
 def reference(path: Path):

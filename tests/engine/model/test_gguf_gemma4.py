@@ -21,15 +21,16 @@ from gguf import GGUFWriter
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.errors import UnsupportedModelError
 from engine.linears.packed_linear import PackedLinear
 from engine.linears.quantized_embedding import QuantizedEmbedding
 from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
-from engine.model import loader
 from engine.model.gguf import metadata_folder
 from tests.support.architectures import SERVED, prompts, reference
+from tests.support.gguf_files import dense, served
 from tests.support.gguf_hybrid_files import build_gemma4, write_hybrid_gguf
+from tests.support.greedy import engine_greedy
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -68,21 +69,6 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build_gemma4(root / name, fields) for name, fields in FOLDERS.items()}
 
 
-def served(path: Path, **settings) -> LLM:
-    base = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256}
-    return LLM(str(path), **(base | settings))
-
-
-def greedy(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-
-
-def dense(path: Path) -> dict[str, torch.Tensor]:
-    """The file's parameters as the loader reads them without the kernel (dequantized)."""
-    return loader.load_model(str(path), dtype=torch.float32, device=CPU).model.state_dict()
-
-
 @pytest.mark.parametrize("name", list(FOLDERS))
 def test_a_converted_file_loads_to_its_folders_config_and_very_tensors(
     tmp_path: Path, cache: Path, folders: dict[str, Path], name: str
@@ -117,7 +103,7 @@ def test_greedy_tokens_are_the_folders_in_fp32(
     folder's."""
     path = write_hybrid_gguf(folders[name], tmp_path / f"{name}.gguf", "F16")
     llm = served(path, enforce_eager=True)
-    assert greedy(llm, BATCH) == reference(folders[name], BATCH, MAX_TOKENS)
+    assert engine_greedy(llm, BATCH, MAX_TOKENS) == reference(folders[name], BATCH, MAX_TOKENS)
     tokenizer, original = llm.get_tokenizer(), AutoTokenizer.from_pretrained(folders[name])
     assert tokenizer.get_vocab() == original.get_vocab()
     assert tokenizer.eos_token == original.eos_token == "<eos>"
@@ -154,7 +140,7 @@ def test_a_q8_0_file_computes_every_linear_in_its_own_blocks(
         if key in expected:
             assert torch.equal(parameter, expected[key]), key
     twin = served(path, enforce_eager=True, quantization="none")
-    assert greedy(llm, BATCH) == greedy(twin, BATCH)
+    assert engine_greedy(llm, BATCH, MAX_TOKENS) == engine_greedy(twin, BATCH, MAX_TOKENS)
 
 
 def test_a_file_with_experts_is_refused_in_one_line(tmp_path: Path, cache: Path):

@@ -21,15 +21,16 @@ from gguf.quants import dequantize
 from torch import nn
 from transformers import AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.errors import UnsupportedModelError
 from engine.linears import gguf_store
 from engine.linears.packed_linear import PackedLinear
 from engine.linears.quantized_linear import QuantizedLinear, unavailable_reason
-from engine.model import loader
 from engine.model.kernels import group_linear
 from tests.support.architectures import HYBRID, build, prompts, reference
+from tests.support.gguf_files import dense, served
 from tests.support.gguf_hybrid_files import write_hybrid_gguf
+from tests.support.greedy import engine_greedy
 
 CPU = torch.device("cpu")
 pytestmark = pytest.mark.skipif(
@@ -79,24 +80,9 @@ def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: build(root / name, *FOLDERS[name]) for name in FOLDERS}
 
 
-def served(path: Path, **settings) -> LLM:
-    base = {"dtype": "float32", "kv_cache_memory": "16MiB", "max_model_len": 256}
-    return LLM(str(path), **(base | settings))
-
-
-def greedy(llm: LLM, batch: list[list[int]]) -> list[list[int]]:
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(batch, params, use_tqdm=False)]
-
-
 def matrix(layer: QuantizedLinear) -> torch.Tensor:
     """A quantized layer's weight as the model's parameter (its columns in input order)."""
     return layer.rows(torch.arange(layer.out_features))
-
-
-def dense(path: Path) -> dict[str, torch.Tensor]:
-    """The file's parameters as the loader reads them without the kernel (dequantized)."""
-    return loader.load_model(str(path), dtype=torch.float32, device=CPU).model.state_dict()
 
 
 def stored(name: str, value: torch.Tensor, config: PretrainedConfig) -> torch.Tensor:
@@ -147,7 +133,7 @@ def test_greedy_tokens_are_the_folders_in_fp32(
     its multipliers in the weights, not in the config), and tokenizes as it does."""
     path = write_hybrid_gguf(folders[name], tmp_path / f"{name}.gguf", "F32")
     llm = served(path, enforce_eager=True)
-    assert greedy(llm, BATCH) == reference(folders[name], BATCH, MAX_TOKENS)
+    assert engine_greedy(llm, BATCH, MAX_TOKENS) == reference(folders[name], BATCH, MAX_TOKENS)
     tokenizer, original = llm.get_tokenizer(), AutoTokenizer.from_pretrained(folders[name])
     assert tokenizer.get_vocab() == original.get_vocab()
     assert tokenizer.eos_token == original.eos_token == "<|im_end|>"
@@ -173,7 +159,7 @@ def test_a_qwen_file_with_a_draft_head_serves_the_model_without_it(
     path = write_hybrid_gguf(folders["qwen3_5"], tmp_path / "mtp.gguf", "F32", draft_head=True)
     llm = served(path, enforce_eager=True)
     assert llm.engine.model.config.num_hidden_layers == 2
-    assert greedy(llm, BATCH) == reference(folders["qwen3_5"], BATCH, MAX_TOKENS)
+    assert engine_greedy(llm, BATCH, MAX_TOKENS) == reference(folders["qwen3_5"], BATCH, MAX_TOKENS)
 
 
 @pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "lfm2", "granite", "falcon_h1"])
@@ -204,7 +190,7 @@ def test_a_q8_0_file_computes_every_linear_in_its_own_blocks(
             assert torch.equal(parameter, expected[key]), key
     if model.config.tie_word_embeddings:
         assert model.get_input_embeddings().table is model.get_output_embeddings()
-    tokens = greedy(llm, BATCH)
+    tokens = engine_greedy(llm, BATCH, MAX_TOKENS)
     assert [len(t) for t in tokens] == [MAX_TOKENS] * 2
 
 
@@ -237,7 +223,7 @@ def test_a_k_quant_out_proj_keeps_its_blocks_and_reorders_its_input(
         assert torch.equal(group_linear.unpack(layer.weight), blocks), start
         assert not torch.equal(layer.order, torch.arange(256)), start
         assert torch.equal(matrix(layer), weight), start
-        assert greedy(llm, BATCH) == expected, start
+        assert engine_greedy(llm, BATCH, MAX_TOKENS) == expected, start
         x = torch.randn(3, 256)
         with torch.inference_mode():
             error = (layer(x) - x @ weight.T).abs().max()
