@@ -33,7 +33,8 @@
 // (sequence, head), each walking the head's strips in turn (a decode step at batch 8
 // read and wrote Qwen3.5-0.8B's states at 24.6 GB/s so, 20.1 with an item per strip),
 // shared among torch's OpenMP threads; the recurrence of one strip is sequential by
-// nature, about three fused multiply-adds per state element and row. The convolution's rows need no earlier output, so its items are runs of rows.
+// nature, about three fused multiply-adds per state element and row. The convolution's
+// rows need no earlier output, so its items are runs of rows.
 
 #include <torch/extension.h>
 
